@@ -1,0 +1,172 @@
+"""The block pool: every block, the free queue, and the prefix index."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from kvd.block import Block
+from kvd.free_queue import FreeBlockQueue
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    block_hashes: tuple[bytes, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    block_hashes: tuple[bytes, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AllCleared:
+    pass
+
+
+BlockEvent = BlockStored | BlockRemoved | AllCleared
+
+
+class BlockPool:
+    """Owns all blocks of the cache and which of them hold which prefix.
+
+    Only this class changes a block's ``ref_cnt``, ``block_hash`` or queue
+    links. Callers get and give back blocks; capacity shortfalls return
+    ``None``, misuse raises ``ValueError``, broken invariants ``assert``.
+
+    Args:
+        num_blocks: blocks in the cache.
+        enable_caching: when False, committed blocks are never indexed (every
+            lookup misses); used to measure the cache's worth.
+        record_events: keep stored/removed/cleared events for ``take_events``.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True, record_events: bool = False) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.record_events = record_events
+        self.blocks = [Block(block_id=i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[bytes, Block] = {}
+        self.num_evictions = 0
+        self._events: list[BlockEvent] = []
+
+    @property
+    def num_free(self) -> int:
+        return self.free_queue.num_free
+
+    # ------------------------------------------------------------ lookups
+
+    def match_prefix(self, block_hashes: Sequence[bytes]) -> list[Block]:
+        """The cached blocks of the longest cached prefix; changes nothing."""
+        hits = []
+        cached = self.cached
+        for block_hash in block_hashes:
+            block = cached.get(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    # ------------------------------------------------------- allocation
+
+    def allocate(self, n: int) -> list[Block] | None:
+        """Takes ``n`` blocks from the head of the free queue (``ref_cnt=1``).
+
+        Blocks that still held cached content are evicted: their hash leaves
+        the index. Returns ``None`` when fewer than ``n`` blocks are free.
+        """
+        if n > self.free_queue.num_free:
+            return None
+        blocks = self.free_queue.popleft_n(n)
+        evicted = []
+        for block in blocks:
+            if block.block_hash is not None:
+                del self.cached[block.block_hash]
+                evicted.append(block.block_hash)
+                block.block_hash = None
+            block.ref_cnt = 1
+        if evicted:
+            self.num_evictions += len(evicted)
+            if self.record_events:
+                self._events.append(BlockRemoved(tuple(evicted)))
+        return blocks
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        """Takes one more reference on each block (a cache hit or a pin).
+
+        A free block leaves the free queue, so it can no longer be evicted.
+        """
+        remove = self.free_queue.remove
+        for block in blocks:
+            if block.ref_cnt == 0:
+                remove(block)
+            block.ref_cnt += 1
+
+    def release(self, blocks: Sequence[Block]) -> None:
+        """Drops one reference on each block of one request's block table.
+
+        Blocks that reach zero are freed in reverse table order: hashed blocks
+        to the tail (the table's tail is evicted first among them), empty
+        blocks to the head (reused before any cached content is evicted).
+        """
+        queue = self.free_queue
+        for block in reversed(blocks):
+            assert block.ref_cnt > 0, f"{block} released more often than taken"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    queue.appendleft(block)
+                else:
+                    queue.append(block)
+
+    # ------------------------------------------------------------ caching
+
+    def cache_blocks(self, blocks: Sequence[Block], block_hashes: Sequence[bytes]) -> None:
+        """Indexes full, computed blocks under their hashes.
+
+        A block whose content is already indexed (another request computed
+        the same prefix concurrently) stays unindexed: duplicates are
+        tolerated, the first copy serves future hits.
+        """
+        if not self.enable_caching:
+            return
+        stored = []
+        cached = self.cached
+        for block, block_hash in zip(blocks, block_hashes, strict=True):
+            if block.block_hash is not None:
+                assert block.block_hash == block_hash, f"{block} re-hashed with other content"
+                continue
+            if block_hash in cached:
+                continue
+            block.block_hash = block_hash
+            cached[block_hash] = block
+            stored.append(block_hash)
+        if stored and self.record_events:
+            self._events.append(BlockStored(tuple(stored)))
+
+    def reset(self) -> int:
+        """Forgets every cached hash. Only allowed when no block is in use.
+
+        Returns:
+            The number of blocks whose content was dropped.
+
+        Raises:
+            ValueError: some block is still referenced.
+        """
+        in_use = self.num_blocks - self.num_free
+        if in_use:
+            raise ValueError(f"{in_use} blocks are in use")
+        cleared = len(self.cached)
+        for block in self.cached.values():
+            block.block_hash = None
+        self.cached.clear()
+        if self.record_events:
+            self._events.append(AllCleared())
+        return cleared
+
+    def take_events(self) -> list[BlockEvent]:
+        events, self._events = self._events, []
+        return events

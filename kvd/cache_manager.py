@@ -1,0 +1,175 @@
+"""Request-level block operations: what an engine's scheduler asks for."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvd.block import Block
+from kvd.block_pool import BlockPool
+from kvd.hashing import ROOT_HASH, chain_block_hashes, encode_extra_keys, sequence_block_hashes, token_bytes
+from kvd.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """The outcome of a successful admission."""
+
+    num_cached_tokens: int  # block-aligned prefix served by the cache
+    first_position: int  # the first token to compute
+    num_scheduled_tokens: int  # tokens to compute in this step
+    blocks: list[Block]  # the whole block table, hits first
+
+
+class KVCacheManager:
+    """Turns request-level questions into block-pool operations.
+
+    It keeps no request registry: the caller (a session) owns its requests
+    and passes them in. Capacity shortfalls return ``None``; bad arguments
+    raise ``ValueError``.
+    """
+
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.pool = pool
+        self.block_size = block_size
+        self.query_tokens = 0
+        self.hit_tokens = 0
+
+    # ----------------------------------------------------------- lookups
+
+    def new_request(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        cache_salt: bytes = b"",
+        extra_keys: Sequence[bytes] = (),
+    ) -> Request:
+        """Validates a sequence and hashes its full blocks once."""
+        if not token_ids:
+            raise ValueError(f"request {request_id!r}: token_ids is empty")
+        extra = encode_extra_keys(cache_salt, extra_keys)
+        tokens = list(token_ids)
+        hashes = sequence_block_hashes(tokens, self.block_size, extra)
+        return Request(request_id=request_id, token_ids=tokens, extra=extra, block_hashes=hashes)
+
+    def lookup(self, block_hashes: Sequence[bytes]) -> int:
+        """Cached leading tokens (block-aligned) for these hashes; no change."""
+        return len(self.pool.match_prefix(block_hashes)) * self.block_size
+
+    # ---------------------------------------------------------- admission
+
+    def admit(self, request: Request, token_budget: int) -> Admitted | None:
+        """Gives a new request its cached prefix and slots for one chunk.
+
+        Prefix-aware: only uncached tokens count against ``token_budget`` and
+        only blocks not already cached count against the pool. A fully cached
+        prompt still computes its last token (to get logits), so at most
+        ``len - 1`` tokens are taken from the cache.
+
+        Returns:
+            ``None`` when the budget is spent or the pool cannot hold the
+            chunk; the request is then unchanged and should wait.
+        """
+        assert not request.blocks, f"{request.request_id} is already admitted"
+        num_tokens = len(request.token_ids)
+        hits = self.pool.match_prefix(request.block_hashes)
+        num_cached = len(hits) * self.block_size
+        first = min(num_cached, num_tokens - 1)
+        num_new = min(num_tokens - first, token_budget)
+        if num_new <= 0:
+            return None
+        blocks_needed = max(0, self._blocks_for(first + num_new) - len(hits))
+        # A free cached block that we hit leaves the free queue too.
+        num_hits_free = sum(1 for block in hits if block.ref_cnt == 0)
+        if blocks_needed + num_hits_free > self.pool.num_free:
+            return None
+        self.pool.touch(hits)
+        new_blocks = self.pool.allocate(blocks_needed)
+        assert new_blocks is not None, "capacity was checked above"
+        request.blocks = hits + new_blocks
+        request.num_cached_tokens = num_cached
+        request.num_computed_tokens = first
+        request.num_scheduled_tokens = first + num_new
+        request.num_indexed_blocks = len(hits)
+        self.query_tokens += num_tokens
+        self.hit_tokens += num_cached
+        return Admitted(num_cached, first, num_new, request.blocks)
+
+    def append(self, request: Request, num_tokens: int) -> list[Block] | None:
+        """Slots for a running request's next ``num_tokens`` tokens.
+
+        Returns:
+            The blocks appended to its table (often none), or ``None`` when
+            the pool is short: the caller preempts someone and retries.
+        """
+        if num_tokens < 1:
+            raise ValueError(f"request {request.request_id!r}: num_tokens must be >= 1, got {num_tokens}")
+        needed = self._blocks_for(request.num_scheduled_tokens + num_tokens) - len(request.blocks)
+        new_blocks: list[Block] = []
+        if needed > 0:
+            allocated = self.pool.allocate(needed)
+            if allocated is None:
+                return None
+            new_blocks = allocated
+            request.blocks.extend(new_blocks)
+        request.num_scheduled_tokens += num_tokens
+        return new_blocks
+
+    # ------------------------------------------------------------- commit
+
+    def check_commit(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> None:
+        """Raises ``ValueError`` unless the commit is consistent; changes nothing."""
+        rid = request.request_id
+        known = len(request.token_ids) + num_new_tokens
+        if num_computed_tokens < request.num_computed_tokens:
+            raise ValueError(
+                f"request {rid!r}: num_computed_tokens {num_computed_tokens} goes back "
+                f"from {request.num_computed_tokens}"
+            )
+        if num_computed_tokens > request.num_scheduled_tokens:
+            raise ValueError(
+                f"request {rid!r}: num_computed_tokens {num_computed_tokens} exceeds the "
+                f"{request.num_scheduled_tokens} tokens that have slots"
+            )
+        if num_computed_tokens > known:
+            raise ValueError(
+                f"request {rid!r}: num_computed_tokens {num_computed_tokens} exceeds the {known} known tokens"
+            )
+
+    def commit(self, request: Request, num_computed_tokens: int, new_token_ids: Sequence[int] = ()) -> None:
+        """Records a forward's results; blocks that became full enter the cache."""
+        self.check_commit(request, num_computed_tokens, len(new_token_ids))
+        if new_token_ids:
+            token_bytes(new_token_ids)  # validates before anything changes
+            request.token_ids.extend(new_token_ids)
+        request.num_computed_tokens = num_computed_tokens
+        full = num_computed_tokens // self.block_size
+        if full <= request.num_indexed_blocks:
+            return
+        hashes = request.block_hashes
+        if len(hashes) < full:
+            parent = hashes[-1] if hashes else ROOT_HASH
+            hashes.extend(
+                chain_block_hashes(
+                    request.token_ids[: full * self.block_size],
+                    self.block_size,
+                    request.extra,
+                    parent=parent,
+                    start_block=len(hashes),
+                )
+            )
+        start = request.num_indexed_blocks
+        self.pool.cache_blocks(request.blocks[start:full], hashes[start:full])
+        request.num_indexed_blocks = full
+
+    def free(self, request: Request) -> None:
+        """Gives back every block of a finished, cancelled or preempted request."""
+        self.pool.release(request.blocks)
+        request.blocks = []
+        request.num_computed_tokens = request.num_scheduled_tokens = 0
+        request.num_indexed_blocks = 0
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)

@@ -1,0 +1,100 @@
+"""A small client of the daemon: a session with heartbeats and the mapped cache.
+
+with DaemonClient.connect("unix:/tmp/kvd-0/kvd.sock") as client:
+    session = client.attach("my-engine", layout)   # maps the KV memory
+    reply = session.step(pb.StepRequest(admissions=[...], token_budget=512))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import grpc
+import torch
+
+from kvd import wire
+from kvd.layout import CacheLayout
+from kvd.memory import map_kv_cache
+from kvd_api.daemon.v1 import daemon_pb2 as pb
+from kvd_api.daemon.v1 import daemon_pb2_grpc as pb_grpc
+
+
+class DaemonClient:
+    """A channel and stub to one daemon."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self.channel = channel
+        self.stub = pb_grpc.KVDaemonStub(channel)
+
+    @classmethod
+    def connect(cls, address: str, timeout_s: float = 10.0) -> DaemonClient:
+        """Connects to ``unix:PATH`` or ``HOST:PORT``; waits until it answers."""
+        channel = grpc.insecure_channel(address)
+        try:
+            grpc.channel_ready_future(channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            channel.close()
+            raise ConnectionError(f"the daemon at {address} did not answer within {timeout_s}s") from None
+        return cls(channel)
+
+    def attach(self, client_name: str, layout: CacheLayout | None = None, map_memory: bool = True) -> Session:
+        request = pb.AttachRequest(client_name=client_name)
+        if layout is not None:
+            request.layout.CopyFrom(wire.layout_to_pb(layout))
+        return Session(self, self.stub.Attach(request), map_memory)
+
+    def events(self) -> Iterator[pb.BlockEvents]:
+        return self.stub.Events(pb.EventsRequest())
+
+    def stats(self) -> pb.StatsResponse:
+        return self.stub.Stats(pb.StatsRequest())
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> DaemonClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Session:
+    """An attached session: keeps its lease alive from a background thread.
+
+    Attributes:
+        layout: the cache's layout (block size included).
+        num_blocks: blocks in the cache.
+        cache: the mapped cache tensor ``[num_blocks, layers, 2, block, heads, dim]``.
+    """
+
+    def __init__(self, client: DaemonClient, reply: pb.AttachResponse, map_memory: bool) -> None:
+        self.client = client
+        self.session_id = reply.session_id
+        self.layout = wire.layout_from_pb(reply.layout, reply.layout.block_size)
+        self.num_blocks = reply.layout.num_blocks
+        self.cache: torch.Tensor | None = None
+        if map_memory:
+            export = wire.export_from_pb(reply.memory)
+            self.cache = map_kv_cache(export, self.layout, tuple(reply.memory.shape), tuple(reply.memory.stride))
+        self._stop = threading.Event()
+        self._heartbeat = threading.Thread(
+            target=self._beat, args=(reply.heartbeat_interval_s,), name="kvd-heartbeat", daemon=True
+        )
+        self._heartbeat.start()
+
+    def step(self, request: pb.StepRequest, timeout_s: float | None = None) -> pb.StepResponse:
+        request.session_id = self.session_id
+        return self.client.stub.Step(request, timeout=timeout_s)
+
+    def _beat(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            # A failed beat is not fatal: the next Step reports a lost session.
+            with contextlib.suppress(grpc.RpcError):
+                self.client.stub.Heartbeat(pb.HeartbeatRequest(session_id=self.session_id), timeout=interval_s)
+
+    def detach(self) -> int:
+        self._stop.set()
+        return self.client.stub.Detach(pb.DetachRequest(session_id=self.session_id)).released_requests

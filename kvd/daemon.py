@@ -1,0 +1,294 @@
+"""The daemon's state, behind one lock: memory, pool, sessions, pins.
+
+Every public method is one RPC's worth of work in plain Python types; the
+gRPC layer only translates. Keeping the lock here (and nothing below it
+thread-aware) means the pool and manager stay simple and fast.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvd.block import Block
+from kvd.block_pool import BlockEvent, BlockPool
+from kvd.cache_manager import KVCacheManager
+from kvd.errors import PreconditionError
+from kvd.hashing import encode_extra_keys, sequence_block_hashes
+from kvd.layout import CacheLayout
+from kvd.memory import KVMemory
+from kvd.pins import PinRegistry
+from kvd.session import Session, SessionRegistry
+from kvd.step import StepInput, StepOutput, run_step
+
+log = logging.getLogger("kvd.daemon")
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """Settings of one daemon; the CLI builds it from flags and environment.
+
+    Attributes:
+        block_size: tokens per block.
+        num_blocks: blocks in the cache; when 0, as many as
+            ``memory_budget_bytes`` holds.
+        memory_budget_bytes: the cache's size when ``num_blocks`` is 0.
+        device: ``cpu`` (shared-memory file) or ``cuda[:N]`` (CUDA IPC).
+        shm_dir: where the shared-memory file lives.
+        max_pinned_fraction: the share of blocks pins may hold.
+        lease_s: a session not heard from for this long is released.
+        enable_caching: index committed blocks (off: every lookup misses).
+        model_layout: create the cache at start with this layout (its
+            ``block_size`` is ignored); otherwise at the first attach.
+    """
+
+    block_size: int = 16
+    num_blocks: int = 0
+    memory_budget_bytes: int = 1 << 30
+    device: str = "cpu"
+    shm_dir: str = "/dev/shm"
+    max_pinned_fraction: float = 0.5
+    lease_s: float = 5.0
+    enable_caching: bool = True
+    model_layout: CacheLayout | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {self.num_blocks}")
+        if self.num_blocks == 0 and self.memory_budget_bytes < 1:
+            raise ValueError(f"memory budget must be > 0, got {self.memory_budget_bytes}")
+        if not 0.0 <= self.max_pinned_fraction <= 1.0:
+            raise ValueError(f"max_pinned_fraction must be in [0, 1], got {self.max_pinned_fraction}")
+        if self.lease_s <= 0:
+            raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
+
+
+@dataclass(frozen=True)
+class Stats:
+    num_blocks: int
+    num_free_blocks: int
+    num_used_blocks: int
+    num_pinned_blocks: int
+    num_cached_blocks: int
+    max_pinned_blocks: int
+    evictions: int
+    query_tokens: int
+    hit_tokens: int
+    num_sessions: int
+    num_requests: int
+    num_pins: int
+
+
+class Daemon:
+    """The KV-cache daemon's whole state. Thread-safe."""
+
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+        self.lock = threading.Lock()
+        self.sessions = SessionRegistry(config.lease_s)
+        self.memory: KVMemory | None = None
+        self.pool: BlockPool | None = None
+        self.manager: KVCacheManager | None = None
+        self.pins: PinRegistry | None = None
+        self._subscribers: list[queue.SimpleQueue] = []
+        if config.model_layout is not None:
+            self._create_cache(config.model_layout)
+
+    # -------------------------------------------------------------- cache
+
+    def _create_cache(self, model_layout: CacheLayout) -> None:
+        cfg = self.config
+        layout = CacheLayout(
+            model_layout.num_layers,
+            model_layout.num_kv_heads,
+            model_layout.head_dim,
+            cfg.block_size,
+            model_layout.dtype,
+        )
+        num_blocks = cfg.num_blocks or layout.num_blocks_for(cfg.memory_budget_bytes)
+        self.memory = KVMemory(layout, num_blocks, cfg.device, cfg.shm_dir)
+        self.pool = BlockPool(num_blocks, enable_caching=cfg.enable_caching, record_events=True)
+        self.manager = KVCacheManager(self.pool, cfg.block_size)
+        self.pins = PinRegistry(self.pool, int(num_blocks * cfg.max_pinned_fraction))
+        log.info(
+            "cache created",
+            extra={
+                "layout": layout.describe(),
+                "num_blocks": num_blocks,
+                "bytes": self.memory.nbytes,
+                "device": cfg.device,
+            },
+        )
+
+    def _ready(self) -> tuple[BlockPool, KVCacheManager, PinRegistry]:
+        if self.pool is None or self.manager is None or self.pins is None:
+            raise PreconditionError("the daemon has no cache yet: an engine must attach with its model's layout")
+        return self.pool, self.manager, self.pins
+
+    @property
+    def layout(self) -> CacheLayout | None:
+        return None if self.memory is None else self.memory.layout
+
+    def describe(self) -> KVMemory | None:
+        return self.memory
+
+    # ----------------------------------------------------------- sessions
+
+    def attach(self, client_name: str, model_layout: CacheLayout | None) -> tuple[Session, KVMemory]:
+        """Opens a session, creating the cache from ``model_layout`` if none exists.
+
+        Raises:
+            PreconditionError: no cache and no layout, or a layout that does
+                not match the existing cache.
+        """
+        with self.lock:
+            if self.memory is None:
+                if model_layout is None:
+                    raise PreconditionError("the daemon has no cache yet: attach with the model's layout")
+                self._create_cache(model_layout)
+            elif model_layout is not None and not self.memory.layout.same_model(model_layout):
+                raise PreconditionError(
+                    f"the model's layout ({model_layout.describe()}) does not match the daemon's cache "
+                    f"({self.memory.layout.describe()}); restart the daemon or use a matching model"
+                )
+            session = self.sessions.open(client_name)
+            assert self.memory is not None
+            log.info("session attached", extra={"session": session.session_id, "client": client_name})
+            return session, self.memory
+
+    def heartbeat(self, session_id: str) -> None:
+        with self.lock:
+            self.sessions.get(session_id)
+
+    def detach(self, session_id: str) -> int:
+        with self.lock:
+            return self._close_session(session_id, "detached")
+
+    def reap_expired(self) -> list[str]:
+        """Releases sessions whose heartbeat lapsed; returns their ids."""
+        with self.lock:
+            expired = self.sessions.expired()
+            for session_id in expired:
+                self._close_session(session_id, "lease expired")
+            return expired
+
+    def _close_session(self, session_id: str, why: str) -> int:
+        manager = self.manager
+        if manager is None:  # no cache: the session holds nothing
+            self.sessions.sessions.pop(session_id, None)
+            return 0
+        released = self.sessions.close(session_id, manager)
+        self._publish()
+        log.info("session closed", extra={"session": session_id, "why": why, "released_requests": released})
+        return released
+
+    # --------------------------------------------------------------- work
+
+    def step(self, session_id: str, step: StepInput) -> StepOutput:
+        with self.lock:
+            _, manager, _ = self._ready()
+            out = run_step(manager, self.sessions.get(session_id), step)
+            self._publish()
+            return out
+
+    def lookup(self, token_ids: Sequence[int], cache_salt: bytes, extra_keys: Sequence[bytes]) -> list[bytes]:
+        """The hashes of the cached leading blocks of ``token_ids``."""
+        with self.lock:
+            pool, _, _ = self._ready()
+            hashes = self._hashes(token_ids, cache_salt, extra_keys)
+            return hashes[: len(pool.match_prefix(hashes))]
+
+    def pin(self, pin_id: str, token_ids: Sequence[int], cache_salt: bytes, extra_keys: Sequence[bytes]) -> int:
+        """Pins the cached prefix of ``token_ids``; returns the blocks pinned."""
+        if not token_ids:
+            raise ValueError("token_ids must not be empty")
+        with self.lock:
+            _, _, pins = self._ready()
+            return len(pins.pin(pin_id, self._hashes(token_ids, cache_salt, extra_keys)))
+
+    def unpin(self, pin_id: str) -> int:
+        with self.lock:
+            _, _, pins = self._ready()
+            return pins.unpin(pin_id)
+
+    def reset(self) -> int:
+        with self.lock:
+            pool, _, _ = self._ready()
+            try:
+                cleared = pool.reset()
+            except ValueError as exc:
+                raise PreconditionError(f"cannot reset the cache: {exc}") from None
+            self._publish()
+            return cleared
+
+    def inspect_block(self, block_id: int) -> tuple[Block, bytes]:
+        """A block's metadata and the sha256 of its bytes, read by the daemon."""
+        with self.lock:
+            pool, _, _ = self._ready()
+            if not 0 <= block_id < pool.num_blocks:
+                raise ValueError(f"block_id must be in [0, {pool.num_blocks}), got {block_id}")
+            assert self.memory is not None
+            data = self.memory.tensor[block_id].contiguous().cpu()
+            digest = hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).digest()
+            return pool.blocks[block_id], digest
+
+    def stats(self) -> Stats:
+        with self.lock:
+            pool, manager, pins = self.pool, self.manager, self.pins
+            num_blocks = pool.num_blocks if pool else 0
+            free = pool.num_free if pool else 0
+            return Stats(
+                num_blocks=num_blocks,
+                num_free_blocks=free,
+                num_used_blocks=num_blocks - free,
+                num_pinned_blocks=pins.num_pinned_blocks if pins else 0,
+                num_cached_blocks=len(pool.cached) if pool else 0,
+                max_pinned_blocks=pins.max_pinned_blocks if pins else 0,
+                evictions=pool.num_evictions if pool else 0,
+                query_tokens=manager.query_tokens if manager else 0,
+                hit_tokens=manager.hit_tokens if manager else 0,
+                num_sessions=len(self.sessions.sessions),
+                num_requests=self.sessions.num_requests,
+                num_pins=len(pins.pins) if pins else 0,
+            )
+
+    def _hashes(self, token_ids: Sequence[int], cache_salt: bytes, extra_keys: Sequence[bytes]) -> list[bytes]:
+        extra = encode_extra_keys(cache_salt, extra_keys)
+        return sequence_block_hashes(token_ids, self.config.block_size, extra)
+
+    # ------------------------------------------------------------- events
+
+    def subscribe(self) -> queue.SimpleQueue:
+        """A queue that receives every later batch of block events."""
+        subscriber: queue.SimpleQueue = queue.SimpleQueue()
+        with self.lock:
+            self._subscribers.append(subscriber)
+        return subscriber
+
+    def unsubscribe(self, subscriber: queue.SimpleQueue) -> None:
+        with self.lock:
+            if subscriber in self._subscribers:
+                self._subscribers.remove(subscriber)
+
+    def _publish(self) -> None:
+        """Hands this call's events to every subscriber (under the lock)."""
+        events: list[BlockEvent] = self.pool.take_events() if self.pool else []
+        if events:
+            for subscriber in self._subscribers:
+                subscriber.put(events)
+
+    def close(self) -> None:
+        with self.lock:
+            for subscriber in self._subscribers:
+                subscriber.put(None)
+            self._subscribers.clear()
+            if self.memory is not None:
+                self.memory.close()

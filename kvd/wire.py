@@ -1,0 +1,83 @@
+"""Conversions between the daemon's Python types and its protobuf messages.
+
+Used on both sides of the wire: the daemon's service and its clients.
+"""
+
+from __future__ import annotations
+
+from kvd.layout import CacheLayout
+from kvd.memory import CudaIpcExport, Export, KVMemory, SharedMemoryExport
+from kvd_api.daemon.v1 import daemon_pb2 as pb
+
+_DTYPE_TO_PB = {
+    "float16": pb.DTYPE_FLOAT16,
+    "bfloat16": pb.DTYPE_BFLOAT16,
+    "float32": pb.DTYPE_FLOAT32,
+    "float64": pb.DTYPE_FLOAT64,
+}
+_PB_TO_DTYPE = {v: k for k, v in _DTYPE_TO_PB.items()}
+
+
+def layout_to_pb(layout: CacheLayout, num_blocks: int = 0) -> pb.CacheLayout:
+    return pb.CacheLayout(
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        block_size=layout.block_size,
+        dtype=_DTYPE_TO_PB[layout.dtype],
+        num_blocks=num_blocks,
+    )
+
+
+def layout_from_pb(msg: pb.CacheLayout, default_block_size: int) -> CacheLayout:
+    """Raises ``ValueError`` on a missing dtype or a non-positive size."""
+    if msg.dtype not in _PB_TO_DTYPE:
+        raise ValueError(f"layout.dtype must be set to one of {sorted(_DTYPE_TO_PB)}")
+    return CacheLayout(
+        num_layers=msg.num_layers,
+        num_kv_heads=msg.num_kv_heads,
+        head_dim=msg.head_dim,
+        block_size=msg.block_size or default_block_size,
+        dtype=_PB_TO_DTYPE[msg.dtype],
+    )
+
+
+def memory_to_pb(memory: KVMemory) -> pb.MemoryHandle:
+    handle = pb.MemoryHandle(shape=list(memory.shape), stride=list(memory.stride))
+    export = memory.export
+    if isinstance(export, SharedMemoryExport):
+        handle.shared_memory.path = export.path
+        handle.shared_memory.size_bytes = export.size_bytes
+    else:
+        handle.cuda_ipc.CopyFrom(
+            pb.CudaIpcHandle(
+                device_uuid=export.device_uuid,
+                storage_handle=export.storage_handle,
+                storage_size_bytes=export.storage_size_bytes,
+                storage_offset_bytes=export.storage_offset_bytes,
+                ref_counter_handle=export.ref_counter_handle,
+                ref_counter_offset=export.ref_counter_offset,
+                event_handle=export.event_handle,
+                event_sync_required=export.event_sync_required,
+            )
+        )
+    return handle
+
+
+def export_from_pb(handle: pb.MemoryHandle) -> Export:
+    kind = handle.WhichOneof("kind")
+    if kind == "shared_memory":
+        return SharedMemoryExport(handle.shared_memory.path, handle.shared_memory.size_bytes)
+    if kind == "cuda_ipc":
+        c = handle.cuda_ipc
+        return CudaIpcExport(
+            c.device_uuid,
+            c.storage_handle,
+            c.storage_size_bytes,
+            c.storage_offset_bytes,
+            c.ref_counter_handle,
+            c.ref_counter_offset,
+            c.event_handle,
+            c.event_sync_required,
+        )
+    raise ValueError("memory handle has no kind")

@@ -1,0 +1,1 @@
+"""Generated gRPC/protobuf code for kvd's services. Regenerate with `make protos`."""

@@ -1,0 +1,353 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    DTYPE_FLOAT16: _ClassVar[DType]
+    DTYPE_BFLOAT16: _ClassVar[DType]
+    DTYPE_FLOAT32: _ClassVar[DType]
+    DTYPE_FLOAT64: _ClassVar[DType]
+DTYPE_UNSPECIFIED: DType
+DTYPE_FLOAT16: DType
+DTYPE_BFLOAT16: DType
+DTYPE_FLOAT32: DType
+DTYPE_FLOAT64: DType
+
+class CacheLayout(_message.Message):
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "num_blocks")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: DType
+    num_blocks: int
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class SharedMemoryHandle(_message.Message):
+    __slots__ = ("path", "size_bytes")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    size_bytes: int
+    def __init__(self, path: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class CudaIpcHandle(_message.Message):
+    __slots__ = ("device_uuid", "storage_handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    device_uuid: str
+    storage_handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    def __init__(self, device_uuid: _Optional[str] = ..., storage_handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
+
+class MemoryHandle(_message.Message):
+    __slots__ = ("shared_memory", "cuda_ipc", "shape", "stride")
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    STRIDE_FIELD_NUMBER: _ClassVar[int]
+    shared_memory: SharedMemoryHandle
+    cuda_ipc: CudaIpcHandle
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    stride: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, shared_memory: _Optional[_Union[SharedMemoryHandle, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., shape: _Optional[_Iterable[int]] = ..., stride: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DescribeResponse(_message.Message):
+    __slots__ = ("ready", "layout", "memory")
+    READY_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    ready: bool
+    layout: CacheLayout
+    memory: MemoryHandle
+    def __init__(self, ready: _Optional[bool] = ..., layout: _Optional[_Union[CacheLayout, _Mapping]] = ..., memory: _Optional[_Union[MemoryHandle, _Mapping]] = ...) -> None: ...
+
+class AttachRequest(_message.Message):
+    __slots__ = ("client_name", "layout")
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    client_name: str
+    layout: CacheLayout
+    def __init__(self, client_name: _Optional[str] = ..., layout: _Optional[_Union[CacheLayout, _Mapping]] = ...) -> None: ...
+
+class AttachResponse(_message.Message):
+    __slots__ = ("session_id", "layout", "memory", "heartbeat_interval_s")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    layout: CacheLayout
+    memory: MemoryHandle
+    heartbeat_interval_s: float
+    def __init__(self, session_id: _Optional[str] = ..., layout: _Optional[_Union[CacheLayout, _Mapping]] = ..., memory: _Optional[_Union[MemoryHandle, _Mapping]] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DetachRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class DetachResponse(_message.Message):
+    __slots__ = ("released_requests",)
+    RELEASED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    released_requests: int
+    def __init__(self, released_requests: _Optional[int] = ...) -> None: ...
+
+class Commit(_message.Message):
+    __slots__ = ("request_id", "num_computed_tokens", "new_token_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    num_computed_tokens: int
+    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., num_computed_tokens: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Append(_message.Message):
+    __slots__ = ("request_id", "num_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    num_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class Admission(_message.Message):
+    __slots__ = ("request_id", "token_ids", "cache_salt", "extra_keys")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_salt: bytes
+    extra_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[bytes] = ..., extra_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("session_id", "commits", "frees", "appends", "admissions", "token_budget")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMITS_FIELD_NUMBER: _ClassVar[int]
+    FREES_FIELD_NUMBER: _ClassVar[int]
+    APPENDS_FIELD_NUMBER: _ClassVar[int]
+    ADMISSIONS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    commits: _containers.RepeatedCompositeFieldContainer[Commit]
+    frees: _containers.RepeatedScalarFieldContainer[str]
+    appends: _containers.RepeatedCompositeFieldContainer[Append]
+    admissions: _containers.RepeatedCompositeFieldContainer[Admission]
+    token_budget: int
+    def __init__(self, session_id: _Optional[str] = ..., commits: _Optional[_Iterable[_Union[Commit, _Mapping]]] = ..., frees: _Optional[_Iterable[str]] = ..., appends: _Optional[_Iterable[_Union[Append, _Mapping]]] = ..., admissions: _Optional[_Iterable[_Union[Admission, _Mapping]]] = ..., token_budget: _Optional[int] = ...) -> None: ...
+
+class Scheduled(_message.Message):
+    __slots__ = ("request_id", "admitted", "first_position", "num_scheduled_tokens", "num_cached_tokens", "new_block_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    FIRST_POSITION_FIELD_NUMBER: _ClassVar[int]
+    NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    admitted: bool
+    first_position: int
+    num_scheduled_tokens: int
+    num_cached_tokens: int
+    new_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., admitted: _Optional[bool] = ..., first_position: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StepResponse(_message.Message):
+    __slots__ = ("scheduled", "preempted", "waiting", "num_free_blocks")
+    SCHEDULED_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    scheduled: _containers.RepeatedCompositeFieldContainer[Scheduled]
+    preempted: _containers.RepeatedScalarFieldContainer[str]
+    waiting: _containers.RepeatedScalarFieldContainer[str]
+    num_free_blocks: int
+    def __init__(self, scheduled: _Optional[_Iterable[_Union[Scheduled, _Mapping]]] = ..., preempted: _Optional[_Iterable[str]] = ..., waiting: _Optional[_Iterable[str]] = ..., num_free_blocks: _Optional[int] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("token_ids", "cache_salt", "extra_keys")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_salt: bytes
+    extra_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[bytes] = ..., extra_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("num_cached_tokens", "block_hashes")
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    num_cached_tokens: int
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, num_cached_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("pin_id", "token_ids", "cache_salt", "extra_keys")
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
+    pin_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_salt: bytes
+    extra_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, pin_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[bytes] = ..., extra_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class PinResponse(_message.Message):
+    __slots__ = ("num_pinned_tokens", "num_pinned_blocks")
+    NUM_PINNED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_pinned_tokens: int
+    num_pinned_blocks: int
+    def __init__(self, num_pinned_tokens: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ...) -> None: ...
+
+class UnpinRequest(_message.Message):
+    __slots__ = ("pin_id",)
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    pin_id: str
+    def __init__(self, pin_id: _Optional[str] = ...) -> None: ...
+
+class UnpinResponse(_message.Message):
+    __slots__ = ("num_unpinned_blocks",)
+    NUM_UNPINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_unpinned_blocks: int
+    def __init__(self, num_unpinned_blocks: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("num_blocks", "num_free_blocks", "num_used_blocks", "num_pinned_blocks", "num_cached_blocks", "max_pinned_blocks", "evictions", "query_tokens", "hit_tokens", "num_sessions", "num_requests", "num_pins")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PINS_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    num_free_blocks: int
+    num_used_blocks: int
+    num_pinned_blocks: int
+    num_cached_blocks: int
+    max_pinned_blocks: int
+    evictions: int
+    query_tokens: int
+    hit_tokens: int
+    num_sessions: int
+    num_requests: int
+    num_pins: int
+    def __init__(self, num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., max_pinned_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., num_sessions: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_pins: _Optional[int] = ...) -> None: ...
+
+class ResetRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResetResponse(_message.Message):
+    __slots__ = ("num_cleared_blocks",)
+    NUM_CLEARED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_cleared_blocks: int
+    def __init__(self, num_cleared_blocks: _Optional[int] = ...) -> None: ...
+
+class InspectBlockRequest(_message.Message):
+    __slots__ = ("block_id",)
+    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    block_id: int
+    def __init__(self, block_id: _Optional[int] = ...) -> None: ...
+
+class InspectBlockResponse(_message.Message):
+    __slots__ = ("ref_cnt", "block_hash", "data_sha256", "in_free_queue")
+    REF_CNT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    DATA_SHA256_FIELD_NUMBER: _ClassVar[int]
+    IN_FREE_QUEUE_FIELD_NUMBER: _ClassVar[int]
+    ref_cnt: int
+    block_hash: bytes
+    data_sha256: bytes
+    in_free_queue: bool
+    def __init__(self, ref_cnt: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., data_sha256: _Optional[bytes] = ..., in_free_queue: _Optional[bool] = ...) -> None: ...
+
+class EventsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class BlockEvent(_message.Message):
+    __slots__ = ("stored", "removed", "all_cleared")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    ALL_CLEARED_FIELD_NUMBER: _ClassVar[int]
+    stored: BlockStored
+    removed: BlockRemoved
+    all_cleared: AllCleared
+    def __init__(self, stored: _Optional[_Union[BlockStored, _Mapping]] = ..., removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., all_cleared: _Optional[_Union[AllCleared, _Mapping]] = ...) -> None: ...
+
+class BlockStored(_message.Message):
+    __slots__ = ("block_hashes",)
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class BlockRemoved(_message.Message):
+    __slots__ = ("block_hashes",)
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class AllCleared(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class BlockEvents(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[BlockEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[BlockEvent, _Mapping]]] = ...) -> None: ...

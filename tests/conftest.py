@@ -1,0 +1,150 @@
+"""Shared test helpers: real daemon processes on real sockets."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvd.client import DaemonClient
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` run only where CUDA is available (tests/gpu/run.sh)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; run tests/gpu/run.sh on a GPU machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class DaemonProcess:
+    """A `kvd` daemon running as a subprocess on its own socket and shm dir."""
+
+    process: subprocess.Popen
+    socket_path: str
+    shm_dir: str
+    metrics_port: int
+    log_path: Path
+
+    @property
+    def address(self) -> str:
+        return f"unix:{self.socket_path}"
+
+    def client(self) -> DaemonClient:
+        return DaemonClient.connect(self.address)
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+def wait_serving(address: str, timeout_s: float = 20.0, process: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if process is not None and process.poll() is not None:
+                raise RuntimeError(f"process exited with {process.returncode} before serving")
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.05)
+    raise TimeoutError(f"{address} not serving after {timeout_s}s")
+
+
+def start_daemon(args: list[str], workdir: str) -> DaemonProcess:
+    socket_path = os.path.join(workdir, "kvd.sock")
+    shm_dir = os.path.join(workdir, "shm")
+    os.makedirs(shm_dir, exist_ok=True)
+    metrics_port = free_port()
+    log_path = Path(workdir) / "kvd.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvd.cli",
+        "--socket",
+        socket_path,
+        "--shm-dir",
+        shm_dir,
+        "--metrics-port",
+        str(metrics_port),
+        *args,
+    ]
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    daemon = DaemonProcess(process, socket_path, shm_dir, metrics_port, log_path)
+    try:
+        wait_serving(daemon.address, process=process)
+    except Exception:
+        daemon.stop(signal.SIGKILL)
+        raise RuntimeError(f"daemon did not start: {daemon.log()}") from None
+    return daemon
+
+
+@pytest.fixture
+def workdir() -> Iterator[str]:
+    # NOTE: unix socket paths are limited to ~107 bytes; pytest's tmp_path can
+    # be longer, so daemons get a short folder of their own.
+    path = tempfile.mkdtemp(prefix="kvd-", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon_factory(workdir: str) -> Iterator:
+    started: list[DaemonProcess] = []
+
+    def factory(*args: str, subdir: str = "") -> DaemonProcess:
+        folder = os.path.join(workdir, subdir or f"d{len(started)}")
+        os.makedirs(folder, exist_ok=True)
+        daemon = start_daemon(list(args), folder)
+        started.append(daemon)
+        return daemon
+
+    yield factory
+    for daemon in started:
+        daemon.stop()
+
+
+SMALL_LAYOUT = ("--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "4", "--block-size", "4")
+
+
+@pytest.fixture
+def daemon(daemon_factory) -> DaemonProcess:
+    """A daemon with a tiny layout, 32 blocks of 4 tokens, a 1 s lease."""
+    return daemon_factory(*SMALL_LAYOUT, "--num-blocks", "32", "--lease-s", "1", "--max-pinned-fraction", "0.25")
