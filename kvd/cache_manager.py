@@ -120,9 +120,12 @@ class KVCacheManager:
     # ------------------------------------------------------------- commit
 
     def check_commit(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> None:
-        """Raises ``ValueError`` unless the commit is consistent; changes nothing."""
+        """Raises ``ValueError`` unless the commit's positions are consistent.
+
+        The new token ids themselves are checked by ``commit`` (a Step checks
+        all of its requests' in one go).
+        """
         rid = request.request_id
-        known = len(request.token_ids) + num_new_tokens
         if num_computed_tokens < request.num_computed_tokens:
             raise ValueError(
                 f"request {rid!r}: num_computed_tokens {num_computed_tokens} goes back "
@@ -133,6 +136,7 @@ class KVCacheManager:
                 f"request {rid!r}: num_computed_tokens {num_computed_tokens} exceeds the "
                 f"{request.num_scheduled_tokens} tokens that have slots"
             )
+        known = len(request.token_ids) + num_new_tokens
         if num_computed_tokens > known:
             raise ValueError(
                 f"request {rid!r}: num_computed_tokens {num_computed_tokens} exceeds the {known} known tokens"
@@ -141,8 +145,12 @@ class KVCacheManager:
     def commit(self, request: Request, num_computed_tokens: int, new_token_ids: Sequence[int] = ()) -> None:
         """Records a forward's results; blocks that became full enter the cache."""
         self.check_commit(request, num_computed_tokens, len(new_token_ids))
+        token_bytes(new_token_ids)
+        self.apply_commit(request, num_computed_tokens, new_token_ids)
+
+    def apply_commit(self, request: Request, num_computed_tokens: int, new_token_ids: Sequence[int]) -> None:
+        """``commit`` without the checks, for callers that ran ``check_commit``."""
         if new_token_ids:
-            token_bytes(new_token_ids)  # validates before anything changes
             request.token_ids.extend(new_token_ids)
         request.num_computed_tokens = num_computed_tokens
         full = num_computed_tokens // self.block_size

@@ -17,6 +17,7 @@ import torch
 from kvd import wire
 from kvd.layout import CacheLayout
 from kvd.memory import map_kv_cache
+from kvd.step import StepInput, StepOutput
 from kvd_api.daemon.v1 import daemon_pb2 as pb
 from kvd_api.daemon.v1 import daemon_pb2_grpc as pb_grpc
 
@@ -85,9 +86,10 @@ class Session:
         )
         self._heartbeat.start()
 
-    def step(self, request: pb.StepRequest, timeout_s: float | None = None) -> pb.StepResponse:
-        request.session_id = self.session_id
-        return self.client.stub.Step(request, timeout=timeout_s)
+    def step(self, step: StepInput, timeout_s: float | None = None) -> StepOutput:
+        """One Step RPC: the same types as ``kvd.step.run_step`` in-process."""
+        reply = self.client.stub.Step(wire.step_to_pb(step, self.session_id), timeout=timeout_s)
+        return wire.step_output_from_pb(reply)
 
     def _beat(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):

@@ -17,7 +17,6 @@ from kvd.daemon import Daemon
 from kvd.errors import CapacityError, NotFoundError, PreconditionError
 from kvd.free_queue import FreeBlockQueue
 from kvd.metrics import DaemonMetrics
-from kvd.step import AdmissionWork, AppendWork, CommitWork, StepInput, StepOutput
 from kvd_api.daemon.v1 import daemon_pb2 as pb
 from kvd_api.daemon.v1 import daemon_pb2_grpc as pb_grpc
 
@@ -94,10 +93,10 @@ class KVDaemonService(pb_grpc.KVDaemonServicer):
     @_rpc
     def Step(self, request, context):
         start = time.perf_counter()
-        out = self.daemon.step(request.session_id, step_from_pb(request))
+        out = self.daemon.step(request.session_id, wire.step_from_pb(request))
         if self.metrics is not None:
             self.metrics.step_seconds.observe(time.perf_counter() - start)
-        return step_output_to_pb(out)
+        return wire.step_output_to_pb(out)
 
     @_rpc
     def Lookup(self, request, context):
@@ -142,37 +141,6 @@ class KVDaemonService(pb_grpc.KVDaemonServicer):
                 yield pb.BlockEvents(events=[event_to_pb(e) for e in batch])
         finally:
             self.daemon.unsubscribe(subscriber)
-
-
-def step_from_pb(msg: pb.StepRequest) -> StepInput:
-    return StepInput(
-        commits=[CommitWork(c.request_id, c.num_computed_tokens, list(c.new_token_ids)) for c in msg.commits],
-        frees=list(msg.frees),
-        appends=[AppendWork(a.request_id, a.num_tokens) for a in msg.appends],
-        admissions=[
-            AdmissionWork(a.request_id, list(a.token_ids), a.cache_salt, list(a.extra_keys)) for a in msg.admissions
-        ],
-        token_budget=msg.token_budget,
-    )
-
-
-def step_output_to_pb(out: StepOutput) -> pb.StepResponse:
-    return pb.StepResponse(
-        scheduled=[
-            pb.Scheduled(
-                request_id=s.request_id,
-                admitted=s.admitted,
-                first_position=s.first_position,
-                num_scheduled_tokens=s.num_scheduled_tokens,
-                num_cached_tokens=s.num_cached_tokens,
-                new_block_ids=s.new_block_ids,
-            )
-            for s in out.scheduled
-        ],
-        preempted=out.preempted,
-        waiting=out.waiting,
-        num_free_blocks=out.num_free_blocks,
-    )
 
 
 def event_to_pb(event: BlockEvent) -> pb.BlockEvent:

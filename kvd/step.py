@@ -20,28 +20,31 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
+from kvd.block import Block
 from kvd.cache_manager import KVCacheManager
 from kvd.hashing import token_bytes
 from kvd.request import Request
 from kvd.session import Session
 
 
-@dataclass(frozen=True, slots=True)
-class CommitWork:
+# NOTE: the step only unpacks these, so any (request_id, num_computed_tokens,
+# new_token_ids) tuple serves as a CommitWork, and (request_id, num_tokens) as
+# an AppendWork: the wire layer builds plain tuples with zip(), several times
+# cheaper than named tuples, and a decode step has one per running request.
+class CommitWork(NamedTuple):
     request_id: str
     num_computed_tokens: int
     new_token_ids: Sequence[int] = ()
 
 
-@dataclass(frozen=True, slots=True)
-class AppendWork:
+class AppendWork(NamedTuple):
     request_id: str
     num_tokens: int
 
 
-@dataclass(frozen=True, slots=True)
-class AdmissionWork:
+class AdmissionWork(NamedTuple):
     request_id: str
     token_ids: Sequence[int]
     cache_salt: bytes = b""
@@ -50,9 +53,9 @@ class AdmissionWork:
 
 @dataclass(frozen=True, slots=True)
 class StepInput:
-    commits: Sequence[CommitWork] = ()
+    commits: Sequence[tuple[str, int, Sequence[int]]] = ()  # CommitWork or its plain tuple
     frees: Sequence[str] = ()
-    appends: Sequence[AppendWork] = ()
+    appends: Sequence[tuple[str, int]] = ()  # AppendWork or its plain tuple
     admissions: Sequence[AdmissionWork] = ()
     token_budget: int = 0
 
@@ -77,56 +80,72 @@ class StepOutput:
     num_free_blocks: int = 0
 
 
+@dataclass(slots=True)
+class _Resolved:
+    """A validated step, with its request ids resolved to requests."""
+
+    commits: list[tuple[Request, int, Sequence[int]]]
+    frees: list[Request]
+    appends: list[tuple[Request, int]]
+    admissions: list[Request]
+
+
 def run_step(manager: KVCacheManager, session: Session, step: StepInput) -> StepOutput:
     """Validates and applies one step. Raises before any change on bad input."""
-    new_requests = _validate(manager, session, step)
-    for commit in step.commits:
-        manager.commit(session.requests[commit.request_id], commit.num_computed_tokens, commit.new_token_ids)
-    for request_id in step.frees:
-        session.release(manager, session.requests[request_id])
+    work = _validate(manager, session, step)
+    for request, num_computed, new_token_ids in work.commits:
+        manager.apply_commit(request, num_computed, new_token_ids)
+    for request in work.frees:
+        session.release(manager, request)
     out = StepOutput()
-    budget = _schedule_running(manager, session, step, out)
-    _schedule_waiting(manager, session, new_requests, budget, out)
+    budget = _schedule_running(manager, session, work.appends, step.token_budget, out)
+    _schedule_waiting(manager, session, work.admissions, budget, out)
     out.num_free_blocks = manager.pool.num_free
     return out
 
 
-def _schedule_running(manager: KVCacheManager, session: Session, step: StepInput, out: StepOutput) -> int:
+def _schedule_running(
+    manager: KVCacheManager, session: Session, appends: list[tuple[Request, int]], budget: int, out: StepOutput
+) -> int:
     """Serves appends in order; returns the budget left."""
-    budget = step.token_budget
-    for append in step.appends:
+    scheduled = out.scheduled
+    for request, wanted in appends:
         if budget <= 0:
             break
-        request = session.requests.get(append.request_id)
-        if request is None:  # preempted earlier in this step
+        if out.preempted and request.request_id in out.preempted:
             continue
-        num_tokens = min(append.num_tokens, budget)
+        num_tokens = min(wanted, budget)
         first = request.num_scheduled_tokens
-        new_blocks = _append_or_preempt(manager, session, request, num_tokens, out)
+        new_blocks = manager.append(request, num_tokens)
         if new_blocks is None:
-            continue
+            new_blocks = _preempt_until_fits(manager, session, request, num_tokens, out)
+            if new_blocks is None:
+                continue
         budget -= num_tokens
-        out.scheduled.append(
-            Scheduled(append.request_id, False, first, num_tokens, 0, [b.block_id for b in new_blocks])
-        )
+        block_ids = [b.block_id for b in new_blocks] if new_blocks else []
+        scheduled.append(Scheduled(request.request_id, False, first, num_tokens, 0, block_ids))
     # A request preempted after being scheduled gives its tokens back.
     if out.preempted:
         gone = set(out.preempted)
-        budget += sum(s.num_scheduled_tokens for s in out.scheduled if s.request_id in gone)
-        out.scheduled = [s for s in out.scheduled if s.request_id not in gone]
+        budget += sum(s.num_scheduled_tokens for s in scheduled if s.request_id in gone)
+        out.scheduled = [s for s in scheduled if s.request_id not in gone]
     return budget
 
 
-def _append_or_preempt(manager, session, request: Request, num_tokens: int, out: StepOutput):
+def _preempt_until_fits(
+    manager: KVCacheManager, session: Session, request: Request, num_tokens: int, out: StepOutput
+) -> list[Block] | None:
+    """Frees the newest requests until ``request`` gets its slots (returns its
+    new blocks), or until it was itself the newest and got preempted (None)."""
     while True:
-        new_blocks = manager.append(request, num_tokens)
-        if new_blocks is not None:
-            return new_blocks
         victim = session.newest()
         session.release(manager, victim)
         out.preempted.append(victim.request_id)
         if victim is request:
             return None
+        new_blocks = manager.append(request, num_tokens)
+        if new_blocks is not None:
+            return new_blocks
 
 
 def _schedule_waiting(
@@ -151,36 +170,39 @@ def _schedule_waiting(
         )
 
 
-def _validate(manager: KVCacheManager, session: Session, step: StepInput) -> list[Request]:
-    """Checks the whole step against the session; returns the new requests."""
+def _validate(manager: KVCacheManager, session: Session, step: StepInput) -> _Resolved:
+    """Checks the whole step against the session, changing nothing."""
     if (step.appends or step.admissions) and step.token_budget < 1:
         raise ValueError(f"token_budget must be >= 1, got {step.token_budget}")
-    _unique("commits", [c.request_id for c in step.commits])
-    for commit in step.commits:
-        request = session.get(commit.request_id)
-        manager.check_commit(request, commit.num_computed_tokens, len(commit.new_token_ids))
-        if commit.new_token_ids:
-            token_bytes(commit.new_token_ids)
+    _unique("commits", [c[0] for c in step.commits])
+    commits = []
+    for request_id, num_computed, new_token_ids in step.commits:
+        request = session.get(request_id)
+        manager.check_commit(request, num_computed, len(new_token_ids))
+        commits.append((request, num_computed, new_token_ids))
+    # One conversion checks every sampled token of the step.
+    token_bytes([t for c in step.commits for t in c[2]])
     _unique("frees (double free)", step.frees)
-    for request_id in step.frees:
-        session.get(request_id)
+    frees = [session.get(request_id) for request_id in step.frees]
     freed = set(step.frees)
-    _unique("appends", [a.request_id for a in step.appends])
-    for append in step.appends:
-        session.get(append.request_id)
-        if append.request_id in freed:
-            raise ValueError(f"request {append.request_id!r} is both freed and appended")
-        if append.num_tokens < 1:
-            raise ValueError(f"request {append.request_id!r}: num_tokens must be >= 1, got {append.num_tokens}")
+    _unique("appends", [a[0] for a in step.appends])
+    appends = []
+    for request_id, num_tokens in step.appends:
+        request = session.get(request_id)
+        if request_id in freed:
+            raise ValueError(f"request {request_id!r} is both freed and appended")
+        if num_tokens < 1:
+            raise ValueError(f"request {request_id!r}: num_tokens must be >= 1, got {num_tokens}")
+        appends.append((request, num_tokens))
     _unique("admissions", [a.request_id for a in step.admissions])
-    new_requests = []
+    admissions = []
     for adm in step.admissions:
         if not adm.request_id:
             raise ValueError("request_id must not be empty")
         if adm.request_id in session.requests and adm.request_id not in freed:
             raise ValueError(f"request {adm.request_id!r} is already running")
-        new_requests.append(manager.new_request(adm.request_id, adm.token_ids, adm.cache_salt, adm.extra_keys))
-    return new_requests
+        admissions.append(manager.new_request(adm.request_id, adm.token_ids, adm.cache_salt, adm.extra_keys))
+    return _Resolved(commits, frees, appends, admissions)
 
 
 def _unique(what: str, request_ids: Sequence[str]) -> None:

@@ -5,8 +5,11 @@ Used on both sides of the wire: the daemon's service and its clients.
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 from kvd.layout import CacheLayout
 from kvd.memory import CudaIpcExport, Export, KVMemory, SharedMemoryExport
+from kvd.step import AdmissionWork, Scheduled, StepInput, StepOutput
 from kvd_api.daemon.v1 import daemon_pb2 as pb
 
 _DTYPE_TO_PB = {
@@ -81,3 +84,84 @@ def export_from_pb(handle: pb.MemoryHandle) -> Export:
             c.event_sync_required,
         )
     raise ValueError("memory handle has no kind")
+
+
+# --------------------------------------------------------------------- Step
+# NOTE: `field[:]` copies a repeated field into a list ~2.5x faster than
+# list(field); columns are copied whole, never element by element.
+
+
+def step_to_pb(step: StepInput, session_id: str = "") -> pb.StepRequest:
+    msg = pb.StepRequest(session_id=session_id, frees=step.frees, token_budget=step.token_budget)
+    if step.commits:
+        commits = msg.commits
+        commits.request_ids.extend([c.request_id for c in step.commits])
+        commits.num_computed_tokens.extend([c.num_computed_tokens for c in step.commits])
+        commits.num_new_tokens.extend([len(c.new_token_ids) for c in step.commits])
+        commits.new_token_ids.extend([t for c in step.commits for t in c.new_token_ids])
+    if step.appends:
+        msg.appends.request_ids.extend([a.request_id for a in step.appends])
+        msg.appends.num_tokens.extend([a.num_tokens for a in step.appends])
+    for adm in step.admissions:
+        msg.admissions.add(
+            request_id=adm.request_id, token_ids=adm.token_ids, cache_salt=adm.cache_salt, extra_keys=adm.extra_keys
+        )
+    return msg
+
+
+def step_from_pb(msg: pb.StepRequest) -> StepInput:
+    """Raises ``ValueError`` when the columns do not line up."""
+    c = msg.commits
+    ids, computed, counts, tokens = c.request_ids[:], c.num_computed_tokens[:], c.num_new_tokens[:], c.new_token_ids[:]
+    if not len(ids) == len(computed) == len(counts):
+        raise ValueError("commits: request_ids, num_computed_tokens and num_new_tokens must have the same length")
+    if any(n < 0 for n in counts) or sum(counts) != len(tokens):
+        raise ValueError("commits: num_new_tokens must be >= 0 and add up to len(new_token_ids)")
+    offsets = list(accumulate(counts, initial=0))
+    new_tokens = [tokens[start:end] for start, end in zip(offsets, offsets[1:], strict=False)]
+    commits = list(zip(ids, computed, new_tokens, strict=True))  # CommitWork-shaped tuples
+    a = msg.appends
+    append_ids, append_counts = a.request_ids[:], a.num_tokens[:]
+    if len(append_ids) != len(append_counts):
+        raise ValueError("appends: request_ids and num_tokens must have the same length")
+    return StepInput(
+        commits=commits,
+        frees=msg.frees[:],
+        appends=list(zip(append_ids, append_counts, strict=True)),  # AppendWork-shaped tuples
+        admissions=[AdmissionWork(a.request_id, a.token_ids[:], a.cache_salt, a.extra_keys[:]) for a in msg.admissions],
+        token_budget=msg.token_budget,
+    )
+
+
+def step_output_to_pb(out: StepOutput) -> pb.StepResponse:
+    reply = pb.StepResponse(preempted=out.preempted, waiting=out.waiting, num_free_blocks=out.num_free_blocks)
+    sched = reply.scheduled
+    rows = out.scheduled
+    sched.request_ids.extend([s.request_id for s in rows])
+    sched.admitted.extend([s.admitted for s in rows])
+    sched.first_positions.extend([s.first_position for s in rows])
+    sched.num_scheduled_tokens.extend([s.num_scheduled_tokens for s in rows])
+    sched.num_cached_tokens.extend([s.num_cached_tokens for s in rows])
+    sched.num_new_blocks.extend([len(s.new_block_ids) for s in rows])
+    sched.new_block_ids.extend([b for s in rows for b in s.new_block_ids])
+    return reply
+
+
+def step_output_from_pb(reply: pb.StepResponse) -> StepOutput:
+    s = reply.scheduled
+    block_ids = s.new_block_ids[:]
+    rows = []
+    offset = 0
+    for row in zip(
+        s.request_ids[:],
+        s.admitted[:],
+        s.first_positions[:],
+        s.num_scheduled_tokens[:],
+        s.num_cached_tokens[:],
+        s.num_new_blocks[:],
+        strict=True,
+    ):
+        count = row[5]
+        rows.append(Scheduled(*row[:5], block_ids[offset : offset + count]))
+        offset += count
+    return StepOutput(rows, reply.preempted[:], reply.waiting[:], reply.num_free_blocks)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from kvd.step import AdmissionWork, AppendWork, CommitWork, StepInput
 from kvd_api.daemon.v1 import daemon_pb2 as pb
 
 
@@ -20,10 +21,10 @@ def served():
     daemon = start_daemon([*SMALL_LAYOUT, "--num-blocks", "32", "--max-pinned-fraction", "0.25"], folder)
     client = daemon.client()
     session = client.attach("engine")
-    session.step(pb.StepRequest(admissions=[pb.Admission(request_id="r", token_ids=list(range(12)))], token_budget=64))
-    session.step(pb.StepRequest(commits=[pb.Commit(request_id="r", num_computed_tokens=12)]))
-    session.step(pb.StepRequest(admissions=[pb.Admission(request_id="gone", token_ids=[1, 2])], token_budget=64))
-    session.step(pb.StepRequest(frees=["gone"]))
+    session.step(StepInput(admissions=[AdmissionWork("r", list(range(12)))], token_budget=64))
+    session.step(StepInput(commits=[CommitWork("r", 12)]))
+    session.step(StepInput(admissions=[AdmissionWork("gone", [1, 2])], token_budget=64))
+    session.step(StepInput(frees=["gone"]))
     yield client, session
     daemon.stop()
     shutil.rmtree(folder, ignore_errors=True)
@@ -34,63 +35,53 @@ def snapshot(client):
     return (s.num_free_blocks, s.num_cached_blocks, s.num_requests, s.num_pinned_blocks, s.evictions, s.hit_tokens)
 
 
-GOOD_ADMISSION = pb.Admission(request_id="new", token_ids=[7, 7, 7, 7, 7])
+GOOD_ADMISSION = AdmissionWork("new", [7, 7, 7, 7, 7])
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
 BAD_STEPS = {
-    "unknown request in frees": (pb.StepRequest(frees=["nope"]), grpc.StatusCode.NOT_FOUND, "unknown request 'nope'"),
+    "unknown request in frees": (StepInput(frees=["nope"]), grpc.StatusCode.NOT_FOUND, "unknown request 'nope'"),
     "unknown request in appends": (
-        pb.StepRequest(appends=[pb.Append(request_id="nope", num_tokens=1)], token_budget=4),
+        StepInput(appends=[AppendWork("nope", 1)], token_budget=4),
         grpc.StatusCode.NOT_FOUND,
         "unknown request",
     ),
     "double free in one step": (
-        pb.StepRequest(frees=["r", "r"], admissions=[GOOD_ADMISSION], token_budget=8),
-        grpc.StatusCode.INVALID_ARGUMENT,
+        StepInput(frees=["r", "r"], admissions=[GOOD_ADMISSION], token_budget=8),
+        INVALID,
         "twice",
     ),
-    "free of a freed request": (
-        pb.StepRequest(frees=["gone"]),
-        grpc.StatusCode.INVALID_ARGUMENT,
-        "already freed",
-    ),
+    "free of a freed request": (StepInput(frees=["gone"]), INVALID, "already freed"),
     "zero tokens appended": (
-        pb.StepRequest(appends=[pb.Append(request_id="r", num_tokens=0)], token_budget=4),
-        grpc.StatusCode.INVALID_ARGUMENT,
+        StepInput(appends=[AppendWork("r", 0)], token_budget=4),
+        INVALID,
         "num_tokens must be >= 1",
     ),
-    "negative token budget": (
-        pb.StepRequest(admissions=[GOOD_ADMISSION], token_budget=-3),
-        grpc.StatusCode.INVALID_ARGUMENT,
-        "token_budget",
-    ),
-    "empty prompt": (
-        pb.StepRequest(admissions=[pb.Admission(request_id="e")], token_budget=4),
-        grpc.StatusCode.INVALID_ARGUMENT,
-        "empty",
-    ),
+    "negative token budget": (StepInput(admissions=[GOOD_ADMISSION], token_budget=-3), INVALID, "token_budget"),
+    "empty prompt": (StepInput(admissions=[AdmissionWork("e", [])], token_budget=4), INVALID, "empty"),
     "negative token id, after a good admission": (
-        pb.StepRequest(admissions=[GOOD_ADMISSION, pb.Admission(request_id="neg", token_ids=[1, -4])], token_budget=64),
-        grpc.StatusCode.INVALID_ARGUMENT,
+        StepInput(admissions=[GOOD_ADMISSION, AdmissionWork("neg", [1, -4])], token_budget=64),
+        INVALID,
         "token ids must be integers",
     ),
     "token id beyond 32 bits": (
-        pb.StepRequest(admissions=[pb.Admission(request_id="big", token_ids=[2**40])], token_budget=4),
-        grpc.StatusCode.INVALID_ARGUMENT,
+        StepInput(admissions=[AdmissionWork("big", [2**40])], token_budget=4),
+        INVALID,
+        "token ids must be integers",
+    ),
+    "sampled token id out of range": (
+        StepInput(commits=[CommitWork("r", 12, [-1])]),
+        INVALID,
         "token ids must be integers",
     ),
     "commit beyond the scheduled slots": (
-        pb.StepRequest(commits=[pb.Commit(request_id="r", num_computed_tokens=13, new_token_ids=[5])]),
-        grpc.StatusCode.INVALID_ARGUMENT,
+        StepInput(commits=[CommitWork("r", 13, [5])]),
+        INVALID,
         "exceeds",
     ),
-    "commit going backwards": (
-        pb.StepRequest(commits=[pb.Commit(request_id="r", num_computed_tokens=4)]),
-        grpc.StatusCode.INVALID_ARGUMENT,
-        "goes back",
-    ),
+    "commit going backwards": (StepInput(commits=[CommitWork("r", 4)]), INVALID, "goes back"),
     "admitting a running request again": (
-        pb.StepRequest(admissions=[pb.Admission(request_id="r", token_ids=[1])], token_budget=4),
-        grpc.StatusCode.INVALID_ARGUMENT,
+        StepInput(admissions=[AdmissionWork("r", [1])], token_budget=4),
+        INVALID,
         "already running",
     ),
 }
@@ -108,10 +99,31 @@ def test_a_bad_step_is_refused_whole(served, case):
     assert snapshot(client) == before
 
 
+def test_misaligned_columns_are_refused(served):
+    client, session = served
+    before = snapshot(client)
+    bad_commits = pb.StepRequest(session_id=session.session_id)
+    bad_commits.commits.request_ids.extend(["r", "r2"])
+    bad_commits.commits.num_computed_tokens.append(12)
+    bad_commits.commits.num_new_tokens.extend([0, 0])
+    bad_tokens = pb.StepRequest(session_id=session.session_id)
+    bad_tokens.commits.request_ids.append("r")
+    bad_tokens.commits.num_computed_tokens.append(12)
+    bad_tokens.commits.num_new_tokens.append(2)
+    bad_tokens.commits.new_token_ids.append(5)
+    bad_appends = pb.StepRequest(session_id=session.session_id, token_budget=4)
+    bad_appends.appends.request_ids.append("r")
+    for request, words in ((bad_commits, "same length"), (bad_tokens, "add up"), (bad_appends, "same length")):
+        with pytest.raises(grpc.RpcError) as err:
+            client.stub.Step(request)
+        assert err.value.code() == INVALID and words in err.value.details()
+    assert snapshot(client) == before
+
+
 def test_unknown_session(served):
     client, _ = served
     for call in (
-        lambda: client.stub.Step(pb.StepRequest(session_id="no-such-session")),
+        lambda: client.stub.Step(pb.StepRequest(session_id="no-such-session")),  # an empty step
         lambda: client.stub.Heartbeat(pb.HeartbeatRequest(session_id="no-such-session")),
         lambda: client.stub.Detach(pb.DetachRequest(session_id="no-such-session")),
     ):

@@ -14,24 +14,20 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from kvd.step import AdmissionWork, AppendWork, CommitWork, StepInput
 from kvd_api.daemon.v1 import daemon_pb2 as pb
 
 
 def admit(session, request_id, tokens, budget=1000, salt=b""):
-    reply = session.step(
-        pb.StepRequest(
-            admissions=[pb.Admission(request_id=request_id, token_ids=tokens, cache_salt=salt)], token_budget=budget
-        )
-    )
-    return reply
+    return session.step(StepInput(admissions=[AdmissionWork(request_id, tokens, salt)], token_budget=budget))
 
 
 def run_to_completion(session, request_id, tokens, salt=b""):
     """Admits, computes the whole prompt, commits and frees: the blocks are cached."""
     reply = admit(session, request_id, tokens, salt=salt)
     assert reply.scheduled[0].num_scheduled_tokens + reply.scheduled[0].first_position == len(tokens)
-    session.step(pb.StepRequest(commits=[pb.Commit(request_id=request_id, num_computed_tokens=len(tokens))]))
-    session.step(pb.StepRequest(frees=[request_id]))
+    session.step(StepInput(commits=[CommitWork(request_id, len(tokens))]))
+    session.step(StepInput(frees=[request_id]))
     return reply.scheduled[0]
 
 
@@ -62,11 +58,7 @@ def test_the_budget_counts_only_uncached_tokens_and_chunks_the_rest(daemon):
     assert (s.num_cached_tokens, s.first_position, s.num_scheduled_tokens) == (16, 16, 6)
     assert len(s.new_block_ids) == 4 + 2  # the hits, then blocks for 6 new tokens only
     nxt = session.step(
-        pb.StepRequest(
-            commits=[pb.Commit(request_id="b", num_computed_tokens=22)],
-            appends=[pb.Append(request_id="b", num_tokens=4)],
-            token_budget=6,
-        )
+        StepInput(commits=[CommitWork("b", 22)], appends=[AppendWork("b", 4)], token_budget=6)
     ).scheduled[0]
     assert (nxt.first_position, nxt.num_scheduled_tokens, len(nxt.new_block_ids)) == (22, 4, 1)
 
@@ -108,7 +100,7 @@ def test_pinned_blocks_survive_pressure_and_the_pin_cap_is_enforced(daemon):
     stats = client.stats()
     assert stats.num_free_blocks == 0 and stats.num_pinned_blocks == 4
 
-    session.step(pb.StepRequest(frees=["big"]))
+    session.step(StepInput(frees=["big"]))
     other = list(range(700, 720))
     run_to_completion(session, "o", other)
     try:
@@ -124,22 +116,16 @@ def test_pinned_blocks_survive_pressure_and_the_pin_cap_is_enforced(daemon):
 def test_preemption_frees_the_newest_request(daemon):
     session = daemon.client().attach("engine")
     session.step(
-        pb.StepRequest(
-            admissions=[
-                pb.Admission(request_id="first", token_ids=list(range(64))),
-                pb.Admission(request_id="second", token_ids=list(range(100, 164))),
-            ],
+        StepInput(
+            admissions=[AdmissionWork("first", list(range(64))), AdmissionWork("second", list(range(100, 164)))],
             token_budget=1000,
         )
     )  # 16 + 16 blocks: the pool is full
     reply = session.step(
-        pb.StepRequest(
-            commits=[
-                pb.Commit(request_id="first", num_computed_tokens=64, new_token_ids=[1]),
-                pb.Commit(request_id="second", num_computed_tokens=64, new_token_ids=[2]),
-            ],
-            appends=[pb.Append(request_id="first", num_tokens=1), pb.Append(request_id="second", num_tokens=1)],
-            admissions=[pb.Admission(request_id="third", token_ids=[5])],
+        StepInput(
+            commits=[CommitWork("first", 64, [1]), CommitWork("second", 64, [2])],
+            appends=[AppendWork("first", 1), AppendWork("second", 1)],
+            admissions=[AdmissionWork("third", [5])],
             token_budget=10,
         )
     )
@@ -153,10 +139,9 @@ def test_a_killed_engines_blocks_are_released(daemon):
         """
         import sys, time
         from kvd.client import DaemonClient
-        from kvd_api.daemon.v1 import daemon_pb2 as pb
+        from kvd.step import AdmissionWork, StepInput
         session = DaemonClient.connect(sys.argv[1]).attach("doomed")
-        session.step(pb.StepRequest(admissions=[pb.Admission(request_id="r", token_ids=list(range(40)))],
-                                    token_budget=100))
+        session.step(StepInput(admissions=[AdmissionWork("r", list(range(40)))], token_budget=100))
         print("holding", flush=True)
         time.sleep(600)
         """
@@ -184,7 +169,7 @@ def test_a_lapsed_session_is_gone(daemon):
     session._stop.set()  # stop heart-beating, as a hung engine would
     time.sleep(2.5)
     try:
-        session.step(pb.StepRequest())
+        session.step(StepInput())
         raise AssertionError("a lapsed session still answered")
     except grpc.RpcError as err:
         assert err.code() == grpc.StatusCode.NOT_FOUND and "session" in err.details()
@@ -209,7 +194,7 @@ def test_events_report_stored_removed_and_cleared_blocks(daemon):
     session = client.attach("engine")
     run_to_completion(session, "a", list(range(800, 808)))
     admit(session, "fill", list(range(900, 1028)))  # all 32 blocks: evicts both of "a"
-    session.step(pb.StepRequest(frees=["fill"]))
+    session.step(StepInput(frees=["fill"]))
     client.stub.Reset(pb.ResetRequest())
     assert done.wait(10), f"no all_cleared event; got {received}"
     stream.cancel()

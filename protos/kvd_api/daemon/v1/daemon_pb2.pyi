@@ -132,23 +132,25 @@ class DetachResponse(_message.Message):
     released_requests: int
     def __init__(self, released_requests: _Optional[int] = ...) -> None: ...
 
-class Commit(_message.Message):
-    __slots__ = ("request_id", "num_computed_tokens", "new_token_ids")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+class Commits(_message.Message):
+    __slots__ = ("request_ids", "num_computed_tokens", "num_new_tokens", "new_token_ids")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    num_computed_tokens: int
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    num_computed_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_new_tokens: _containers.RepeatedScalarFieldContainer[int]
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., num_computed_tokens: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., new_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
-class Append(_message.Message):
-    __slots__ = ("request_id", "num_tokens")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+class Appends(_message.Message):
+    __slots__ = ("request_ids", "num_tokens")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    num_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Admission(_message.Message):
     __slots__ = ("request_id", "token_ids", "cache_salt", "extra_keys")
@@ -171,28 +173,30 @@ class StepRequest(_message.Message):
     ADMISSIONS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    commits: _containers.RepeatedCompositeFieldContainer[Commit]
+    commits: Commits
     frees: _containers.RepeatedScalarFieldContainer[str]
-    appends: _containers.RepeatedCompositeFieldContainer[Append]
+    appends: Appends
     admissions: _containers.RepeatedCompositeFieldContainer[Admission]
     token_budget: int
-    def __init__(self, session_id: _Optional[str] = ..., commits: _Optional[_Iterable[_Union[Commit, _Mapping]]] = ..., frees: _Optional[_Iterable[str]] = ..., appends: _Optional[_Iterable[_Union[Append, _Mapping]]] = ..., admissions: _Optional[_Iterable[_Union[Admission, _Mapping]]] = ..., token_budget: _Optional[int] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., commits: _Optional[_Union[Commits, _Mapping]] = ..., frees: _Optional[_Iterable[str]] = ..., appends: _Optional[_Union[Appends, _Mapping]] = ..., admissions: _Optional[_Iterable[_Union[Admission, _Mapping]]] = ..., token_budget: _Optional[int] = ...) -> None: ...
 
 class Scheduled(_message.Message):
-    __slots__ = ("request_id", "admitted", "first_position", "num_scheduled_tokens", "num_cached_tokens", "new_block_ids")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("request_ids", "admitted", "first_positions", "num_scheduled_tokens", "num_cached_tokens", "num_new_blocks", "new_block_ids")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     ADMITTED_FIELD_NUMBER: _ClassVar[int]
-    FIRST_POSITION_FIELD_NUMBER: _ClassVar[int]
+    FIRST_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    admitted: bool
-    first_position: int
-    num_scheduled_tokens: int
-    num_cached_tokens: int
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    admitted: _containers.RepeatedScalarFieldContainer[bool]
+    first_positions: _containers.RepeatedScalarFieldContainer[int]
+    num_scheduled_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_cached_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_new_blocks: _containers.RepeatedScalarFieldContainer[int]
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., admitted: _Optional[bool] = ..., first_position: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., admitted: _Optional[_Iterable[bool]] = ..., first_positions: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("scheduled", "preempted", "waiting", "num_free_blocks")
@@ -200,11 +204,11 @@ class StepResponse(_message.Message):
     PREEMPTED_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    scheduled: _containers.RepeatedCompositeFieldContainer[Scheduled]
+    scheduled: Scheduled
     preempted: _containers.RepeatedScalarFieldContainer[str]
     waiting: _containers.RepeatedScalarFieldContainer[str]
     num_free_blocks: int
-    def __init__(self, scheduled: _Optional[_Iterable[_Union[Scheduled, _Mapping]]] = ..., preempted: _Optional[_Iterable[str]] = ..., waiting: _Optional[_Iterable[str]] = ..., num_free_blocks: _Optional[int] = ...) -> None: ...
+    def __init__(self, scheduled: _Optional[_Union[Scheduled, _Mapping]] = ..., preempted: _Optional[_Iterable[str]] = ..., waiting: _Optional[_Iterable[str]] = ..., num_free_blocks: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("token_ids", "cache_salt", "extra_keys")
