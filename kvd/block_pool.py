@@ -77,7 +77,12 @@ class BlockPool:
 
         Blocks that still held cached content are evicted: their hash leaves
         the index. Returns ``None`` when fewer than ``n`` blocks are free.
+
+        Raises:
+            ValueError: ``n`` is negative.
         """
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} blocks")
         if n > self.free_queue.num_free:
             return None
         blocks = self.free_queue.popleft_n(n)

@@ -41,10 +41,20 @@ class DaemonClient:
         return cls(channel)
 
     def attach(self, client_name: str, layout: CacheLayout | None = None, map_memory: bool = True) -> Session:
+        """Opens a session; ``layout`` is the model's (its block size is the daemon's to choose).
+
+        Raises:
+            grpc.RpcError: FAILED_PRECONDITION when the daemon's cache has another layout.
+        """
         request = pb.AttachRequest(client_name=client_name)
         if layout is not None:
             request.layout.CopyFrom(wire.layout_to_pb(layout))
+            request.layout.block_size = 0  # the daemon's setting
         return Session(self, self.stub.Attach(request), map_memory)
+
+    def lookup(self, token_ids: list[int], cache_salt: bytes = b"") -> int:
+        """Cached leading tokens of ``token_ids`` (block-aligned)."""
+        return self.stub.Lookup(pb.LookupRequest(token_ids=token_ids, cache_salt=cache_salt)).num_cached_tokens
 
     def events(self) -> Iterator[pb.BlockEvents]:
         return self.stub.Events(pb.EventsRequest())

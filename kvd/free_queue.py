@@ -57,6 +57,8 @@ class FreeBlockQueue:
 
     def popleft_n(self, n: int) -> list[Block]:
         """Removes and returns the first ``n`` blocks, head first."""
+        if n < 0:
+            raise ValueError(f"cannot take {n} blocks")
         if n > self.num_free:
             raise IndexError(f"asked for {n} blocks, {self.num_free} free")
         taken = []

@@ -44,6 +44,9 @@ def token_bytes(token_ids: Sequence[int]) -> bytes:
     Raises:
         ValueError: a token id that is not an integer in [0, 2**32).
     """
+    if isinstance(token_ids, bytes | bytearray | memoryview):
+        # array() would read raw bytes as packed integers, not one id per byte.
+        token_ids = list(token_ids)
     try:
         packed = array("I", token_ids)
     except (OverflowError, TypeError) as exc:

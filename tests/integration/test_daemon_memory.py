@@ -13,6 +13,7 @@ import grpc
 import pytest
 import torch
 
+from kvd import wire
 from kvd.layout import CacheLayout
 from kvd_api.daemon.v1 import daemon_pb2 as pb
 
@@ -109,8 +110,8 @@ def test_a_layout_that_does_not_fit_the_budget_is_refused(daemon_factory, workdi
     assert result.returncode == 2 and "does not fit one block" in result.stderr
 
 
-def test_block_size_of_the_engine_must_match_the_daemon(daemon):
-    layout = CacheLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=8, dtype="float32")
+def test_a_block_size_other_than_the_daemons_is_refused(daemon):
+    layout = wire.layout_to_pb(CacheLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=8, dtype="float32"))
     with pytest.raises(grpc.RpcError) as err:
-        daemon.client().attach("bs", layout)
+        daemon.client().stub.Attach(pb.AttachRequest(client_name="bs", layout=layout))
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "block_size 8" in err.value.details()

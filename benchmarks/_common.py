@@ -1,0 +1,290 @@
+"""Helpers shared by the benchmark scripts: machine info, statistics, JSON,
+progress, tables, plots, and a kvd daemon in a subprocess.
+
+Kept free of any one benchmark's workload so every script under
+``benchmarks/`` can import it (``import _common`` works because Python puts a
+script's own folder first on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+# ------------------------------------------------------------------ machine
+
+
+def machine_info() -> dict[str, Any]:
+    """The machine block of every benchmark's JSON (see BENCHMARKS.md)."""
+    try:
+        import torch
+
+        torch_version: str | None = torch.__version__
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    except ImportError:  # pragma: no cover - torch is a dependency of kvd
+        torch_version, device = None, "cpu"
+    return {
+        "cpus": os.cpu_count(),
+        "torch": torch_version,
+        "device": device,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+def source_digest(globs: Sequence[str] = ("kvd/**/*.py", "protos/**/*.proto")) -> dict[str, Any]:
+    """Which code was measured: a sha256 over the matching files of the repository.
+
+    The tree is often uncommitted while benchmarks run, so a commit id alone
+    would not tell two runs apart.
+    """
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    files = sorted({path for pattern in globs for path in root.glob(pattern) if path.is_file()})
+    for path in files:
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+    return {
+        "sha256": digest.hexdigest()[:16],
+        "files": len(files),
+        "git_head": head.stdout.strip() or None,
+    }
+
+
+# --------------------------------------------------------------- statistics
+
+
+def median(values: Sequence[float]) -> float:
+    """The median; ``nan`` for no values."""
+    return percentile(values, 50.0)
+
+
+def mean(values: Sequence[float]) -> float:
+    return math.fsum(values) / len(values) if values else math.nan
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100), linearly interpolated; ``nan`` for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    low = math.floor(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    """``numerator / denominator``, or ``None`` when it is undefined."""
+    if numerator is None or denominator is None or denominator == 0:
+        return None
+    if math.isnan(numerator) or math.isnan(denominator):
+        return None
+    return numerator / denominator
+
+
+def rounded(value: Any, digits: int = 4) -> Any:
+    """Rounds floats (recursively) to ``digits`` significant digits for readable JSON."""
+    if isinstance(value, float):
+        if math.isnan(value) or math.isinf(value) or value == 0:
+            return value
+        return round(value, max(0, digits - 1 - math.floor(math.log10(abs(value)))))
+    if isinstance(value, dict):
+        return {k: rounded(v, digits) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [rounded(v, digits) for v in value]
+    return value
+
+
+# ---------------------------------------------------------------- output
+
+
+def write_json(path: str | os.PathLike, data: dict[str, Any]) -> None:
+    """Writes ``data`` as indented JSON, creating the parent folder."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n")
+    tmp.replace(path)
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain-text table; floats get 4 significant digits."""
+
+    def cell(value: Any) -> str:
+        if isinstance(value, float):
+            return "-" if math.isnan(value) else f"{value:.4g}"
+        return "-" if value is None else str(value)
+
+    text = [[cell(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in text)) for i, h in enumerate(headers)]
+    line = "  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True))
+    out = [line, "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in text]
+    return "\n".join(out)
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+class Progress:
+    """A one-line progress bar on stderr (a line per phase when not a terminal)."""
+
+    def __init__(self, label: str, total: int, width: int = 30) -> None:
+        self.label = label
+        self.total = max(1, total)
+        self.width = width
+        self.count = 0
+        self.start = time.perf_counter()
+        self._last = 0.0
+        self._tty = sys.stderr.isatty()
+
+    def advance(self, n: int = 1) -> None:
+        self.count += n
+        now = time.perf_counter()
+        if self._tty and now - self._last >= 0.2:
+            self._last = now
+            self._draw()
+
+    def _draw(self) -> None:
+        frac = min(1.0, self.count / self.total)
+        bar = "#" * int(frac * self.width)
+        sys.stderr.write(f"\r{self.label:<34} [{bar:<{self.width}}] {frac:4.0%}")
+        sys.stderr.flush()
+
+    def done(self, note: str = "") -> None:
+        elapsed = time.perf_counter() - self.start
+        if self._tty:
+            self.count = self.total
+            self._draw()
+            sys.stderr.write(f" {elapsed:6.2f}s {note}\n")
+        else:
+            sys.stderr.write(f"{self.label:<34} done {elapsed:6.2f}s {note}\n")
+        sys.stderr.flush()
+
+
+def bar_chart(
+    path: str | os.PathLike,
+    groups: Sequence[str],
+    series: dict[str, Sequence[float]],
+    ylabel: str,
+    title: str,
+) -> bool:
+    """A grouped bar chart as PNG; returns False (and says so) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log(f"--plot: matplotlib is not installed; skipped {path}")
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / max(1, len(series))
+    for k, (name, values) in enumerate(series.items()):
+        xs = [g + (k - (len(series) - 1) / 2) * width for g in range(len(groups))]
+        ax.bar(xs, values, width, label=name)
+    ax.set_xticks(range(len(groups)), groups)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+# ---------------------------------------------------------------- daemon
+
+
+def kvd_executable() -> str:
+    """The ``kvd`` entry point of the running interpreter's environment."""
+    candidate = Path(sys.executable).parent / "kvd"
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which("kvd")
+    if found is None:
+        raise FileNotFoundError("no kvd executable next to the interpreter or on PATH; install the project first")
+    return found
+
+
+class KvdProcess:
+    """A ``kvd`` daemon subprocess listening on a unix socket in ``workdir``.
+
+    Use as a context manager; the daemon gets SIGTERM on exit (SIGKILL if it
+    lingers). Its log goes to ``workdir/NAME.log``.
+
+    Args:
+        workdir: folder for the socket, the shared-memory file and the log.
+        args: further flags (layout, ``--num-blocks``, ...).
+        name: names the socket and log files.
+        ready_timeout_s: how long to wait for the socket to appear.
+    """
+
+    def __init__(
+        self, workdir: str | os.PathLike, args: Sequence[str] = (), name: str = "kvd", ready_timeout_s: float = 60.0
+    ) -> None:
+        self.workdir = Path(workdir)
+        self.socket = str(self.workdir / f"{name}.sock")
+        self.log_path = self.workdir / f"{name}.log"
+        self.command = [kvd_executable(), "--socket", self.socket, "--shm-dir", str(self.workdir), *args]
+        self.ready_timeout_s = ready_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.startup_s = math.nan
+
+    @property
+    def address(self) -> str:
+        return f"unix:{self.socket}"
+
+    def start(self) -> KvdProcess:
+        start = time.perf_counter()
+        with open(self.log_path, "wb") as log_file:
+            self.proc = subprocess.Popen(self.command, stdout=log_file, stderr=subprocess.STDOUT)
+        deadline = start + self.ready_timeout_s
+        while not os.path.exists(self.socket):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvd exited with {self.proc.returncode} at start:\n{self.log_tail()}")
+            if time.perf_counter() > deadline:
+                self.stop()
+                raise TimeoutError(f"kvd did not create {self.socket} within {self.ready_timeout_s}s")
+            time.sleep(0.05)
+        self.startup_s = time.perf_counter() - start
+        return self
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return "(no log)"
+
+    def stop(self, timeout_s: float = 10.0) -> int | None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        return proc.returncode
+
+    def __enter__(self) -> KvdProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
