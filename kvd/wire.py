@@ -93,15 +93,18 @@ def export_from_pb(handle: pb.MemoryHandle) -> Export:
 
 def step_to_pb(step: StepInput, session_id: str = "") -> pb.StepRequest:
     msg = pb.StepRequest(session_id=session_id, frees=step.frees, token_budget=step.token_budget)
+    # Commits and appends may be named tuples or plain ones: unpack by position.
     if step.commits:
+        ids, computed, new_tokens = zip(*step.commits, strict=True)
         commits = msg.commits
-        commits.request_ids.extend([c.request_id for c in step.commits])
-        commits.num_computed_tokens.extend([c.num_computed_tokens for c in step.commits])
-        commits.num_new_tokens.extend([len(c.new_token_ids) for c in step.commits])
-        commits.new_token_ids.extend([t for c in step.commits for t in c.new_token_ids])
+        commits.request_ids.extend(ids)
+        commits.num_computed_tokens.extend(computed)
+        commits.num_new_tokens.extend([len(t) for t in new_tokens])
+        commits.new_token_ids.extend([t for tokens in new_tokens for t in tokens])
     if step.appends:
-        msg.appends.request_ids.extend([a.request_id for a in step.appends])
-        msg.appends.num_tokens.extend([a.num_tokens for a in step.appends])
+        ids, counts = zip(*step.appends, strict=True)
+        msg.appends.request_ids.extend(ids)
+        msg.appends.num_tokens.extend(counts)
     for adm in step.admissions:
         msg.admissions.add(
             request_id=adm.request_id, token_ids=adm.token_ids, cache_salt=adm.cache_salt, extra_keys=adm.extra_keys

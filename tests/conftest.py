@@ -148,3 +148,81 @@ SMALL_LAYOUT = ("--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "4", "
 def daemon(daemon_factory) -> DaemonProcess:
     """A daemon with a tiny layout, 32 blocks of 4 tokens, a 1 s lease."""
     return daemon_factory(*SMALL_LAYOUT, "--num-blocks", "32", "--lease-s", "1", "--max-pinned-fraction", "0.25")
+
+
+# ------------------------------------------------------------------ engines
+
+
+@dataclass
+class EngineProcess:
+    """A `kvd-engine` subprocess attached to a daemon."""
+
+    process: subprocess.Popen
+    address: str
+    log_path: Path
+    daemon: DaemonProcess
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+def start_engine(daemon: DaemonProcess, args: list[str], workdir: str, wait: bool = True) -> EngineProcess:
+    port = free_port()
+    log_path = Path(workdir) / f"engine-{port}.log"
+    cmd = [sys.executable, "-m", "inference.cli", "--kvd-address", daemon.address, "--listen", f"127.0.0.1:{port}"]
+    with open(log_path, "w") as log:
+        process = subprocess.Popen([*cmd, *args], stdout=log, stderr=subprocess.STDOUT)
+    engine = EngineProcess(process, f"127.0.0.1:{port}", log_path, daemon)
+    if wait:
+        try:
+            wait_serving(engine.address, timeout_s=180, process=process)
+        except Exception:
+            engine.stop(signal.SIGKILL)
+            raise RuntimeError(f"engine did not start: {engine.log()}") from None
+    return engine
+
+
+@pytest.fixture(scope="module")
+def shared_stack(model_dir):
+    """One daemon + float32 engine for a whole test module (tests must not depend on each other's cache)."""
+    folder = tempfile.mkdtemp(prefix="kvd-", dir="/tmp")
+    daemon = start_daemon(["--block-size", "16", "--num-blocks", "256", "--lease-s", "2"], folder)
+    engine = start_engine(daemon, ["--model", str(model_dir)], folder)
+    yield engine
+    engine.stop()
+    daemon.stop()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    """The real SmolLM2-135M-Instruct, converted once into the shared model cache."""
+    from inference import model_store
+
+    return model_store.resolve_model("smollm2", model_store.default_cache_dir())
+
+
+@pytest.fixture
+def stack_factory(daemon_factory, workdir, model_dir):
+    """Starts a daemon and an engine on it: ``stack_factory(daemon_args, engine_args)``."""
+    engines: list[EngineProcess] = []
+
+    def factory(daemon_args=(), engine_args=(), wait: bool = True) -> EngineProcess:
+        daemon = daemon_factory("--block-size", "16", "--lease-s", "2", *daemon_args)
+        engine = start_engine(daemon, ["--model", str(model_dir), *engine_args], workdir, wait=wait)
+        engines.append(engine)
+        return engine
+
+    yield factory
+    for engine in engines:
+        engine.stop()

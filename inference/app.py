@@ -1,0 +1,118 @@
+"""Wires one engine process: model, attention backend, daemon session, server."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from inference import attention, model_store
+from inference.engine import Engine, EngineConfig
+from inference.service import EngineService, ModelInfo, build_server, set_health
+from kvd.client import DaemonClient, Session
+from kvd.layout import CacheLayout
+
+log = logging.getLogger("inference.app")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Everything one engine process is configured with (the CLI fills it)."""
+
+    model: str = "smollm2"
+    model_cache_dir: Path | None = None
+    dtype: str | None = None  # None: float32 on CPU, bfloat16 on GPU
+    device: str = "auto"
+    kvd_address: str = ""
+    listen: str = "127.0.0.1:50052"
+    token_budget: int = 512
+    max_num_seqs: int = 64
+    attention_backend: str = "auto"
+    prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.attention_backend not in ("auto", "torch", "flash-attn"):
+            raise ValueError(f"attention_backend must be auto, torch or flash-attn, got {self.attention_backend!r}")
+        if not self.kvd_address:
+            raise ValueError("kvd_address must be set (unix:PATH or HOST:PORT)")
+
+
+class EngineApp:
+    """Loads the model and serves it; attaches to the daemon in the background."""
+
+    def __init__(self, settings: EngineSettings) -> None:
+        self.settings = settings
+        self.device = _resolve_device(settings.device)
+        self.dtype = settings.dtype or model_store.default_dtype(self.device)
+        path = model_store.resolve_model(settings.model, settings.model_cache_dir or model_store.default_cache_dir())
+        self.model = model_store.load_model(path, model_store.parse_dtype(self.dtype), self.device)
+        self.tokenizer = model_store.load_tokenizer(path)
+        self.spec = model_store.model_layout(self.model.config, self.model.generation_config)
+        self.backend = attention.choose_backend(settings.attention_backend, self.device)
+        self.model.set_attn_implementation(attention.BACKENDS[self.backend])
+        self.layout = CacheLayout(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim, 1, self.dtype)
+        self.engine = Engine(
+            self.model,
+            self.tokenizer,
+            self._attach,
+            EngineConfig(max_num_seqs=settings.max_num_seqs, token_budget=settings.token_budget),
+            eos_token_ids=set(self.spec.eos_token_ids),
+            on_health=self._health_changed,
+        )
+        self.info = ModelInfo(
+            name=path.name,
+            dtype=self.dtype,
+            device=self.device,
+            backend=self.backend,
+            max_context=self.spec.max_context,
+            vocab_size=self.spec.vocab_size,
+            eos_token_ids=set(self.spec.eos_token_ids),
+            block_size=0,
+        )
+        service = EngineService(self.engine, self.tokenizer, self.info, prefix_caching=settings.prefix_caching)
+        self.server, self.health = build_server(service)
+        self.port = self.server.add_insecure_port(settings.listen)
+        set_health(self.health, False)
+
+    def start(self) -> None:
+        self.server.start()
+        self.engine.start()
+        log.info(
+            "engine serving",
+            extra={"listen": self.settings.listen, "model": self.info.name, "dtype": self.dtype, "device": self.device,
+                   "backend": self.backend, "kvd": self.settings.kvd_address},
+        )  # fmt: skip
+
+    def stop(self) -> None:
+        set_health(self.health, False)
+        self.server.stop(grace=2).wait()
+        self.engine.stop()
+
+    def _attach(self) -> Session:
+        client = DaemonClient.connect(self.settings.kvd_address, timeout_s=2.0)
+        try:
+            session = client.attach(f"engine:{self.info.name}", self.layout)
+        except Exception:
+            client.close()
+            raise
+        block_size = session.layout.block_size
+        if not attention.block_size_fits(self.backend, block_size):
+            if self.settings.attention_backend != "auto":
+                session.detach()
+                raise ValueError(attention.block_size_message(self.backend, block_size))
+            log.warning(attention.block_size_message(self.backend, block_size) + "; using the torch backend")
+            self.backend = self.info.backend = "torch"
+            self.model.set_attn_implementation(attention.BACKENDS["torch"])
+        self.info.block_size = block_size
+        return session
+
+    def _health_changed(self, healthy: bool) -> None:
+        set_health(self.health, healthy)
+
+
+def _resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device

@@ -1,0 +1,198 @@
+"""Paged attention for the stock Hugging Face modeling code.
+
+The engine registers these functions through transformers' attention
+interface, then runs one flattened ragged batch per step (prefill chunks and
+decodes together, ``input_ids`` of shape ``[1, total_tokens]``). Each layer's
+attention call writes the new tokens' K/V into their cache slots and reads
+every sequence's K/V through its block table.
+
+The flattened batch, for three sequences::
+
+    tokens   | seq0 prefill chunk  | seq1 | seq2 prefill        |
+    query_start 0                   5      6                     10
+    seq0 context: positions [0, 5)  (first_position 0, 5 new)
+    seq1 context: positions [0, 88) (a decode: 87 cached + 1 new)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything one step's attention needs beyond Q, K and V.
+
+    Attributes:
+        kv_cache: the daemon's cache ``[blocks, layers, 2, block_size, kv_heads, head_dim]``.
+        query_start: per sequence, where its tokens start in the flattened
+            batch (``num_seqs + 1`` entries).
+        context_lens: per sequence, the tokens visible after this step
+            (its first position plus its new tokens).
+        block_tables: per sequence, its block ids covering ``context_lens``.
+        write_index: which flattened tokens get their K/V written (a
+            recomputed position of a cached block is read, not rewritten).
+        write_blocks, write_offsets: the block and in-block offset of each
+            written token.
+    """
+
+    kv_cache: torch.Tensor
+    query_start: list[int]
+    context_lens: list[int]
+    block_tables: list[torch.Tensor]
+    write_index: torch.Tensor
+    write_blocks: torch.Tensor
+    write_offsets: torch.Tensor
+
+
+def write_kv(layer_cache: torch.Tensor, new: torch.Tensor, meta: AttentionMetadata) -> None:
+    """Stores the new tokens' keys or values (``[tokens, kv_heads, head_dim]``)."""
+    if meta.write_index.numel():
+        layer_cache[meta.write_blocks, meta.write_offsets] = new[meta.write_index]
+
+
+def gather_kv(layer_cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """One sequence's first ``length`` keys or values as ``[kv_heads, length, head_dim]``."""
+    blocks = layer_cache[block_table]  # [n, block_size, kv_heads, head_dim]
+    return blocks.flatten(0, 1)[:length].transpose(0, 1)
+
+
+def torch_paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    attn_metadata: AttentionMetadata | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The reference backend (CPU and GPU), one SDPA call per sequence.
+
+    Args:
+        query: ``[1, heads, tokens, head_dim]``; key, value: ``[1, kv_heads, tokens, head_dim]``.
+
+    Returns:
+        ``[1, tokens, heads, head_dim]`` and no attention weights.
+    """
+    meta = attn_metadata
+    if meta is None:
+        raise RuntimeError("paged attention needs attn_metadata; run the model through the engine's ModelRunner")
+    layer_k = meta.kv_cache[:, module.layer_idx, 0]
+    layer_v = meta.kv_cache[:, module.layer_idx, 1]
+    write_kv(layer_k, key[0].transpose(0, 1), meta)
+    write_kv(layer_v, value[0].transpose(0, 1), meta)
+    q = query[0]
+    out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)
+    for i, context in enumerate(meta.context_lens):
+        start, end = meta.query_start[i], meta.query_start[i + 1]
+        k = gather_kv(layer_k, meta.block_tables[i], context)
+        v = gather_kv(layer_v, meta.block_tables[i], context)
+        out[start:end] = _attend(q[:, start:end], k, v, scaling).transpose(0, 1)
+    return out.unsqueeze(0), None
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """Causal attention of the last ``q_len`` positions over ``k_len`` keys."""
+    q_len, k_len = q.shape[1], k.shape[1]
+    mask = None
+    if q_len > 1:
+        # Bottom-right aligned: query j sits at position k_len - q_len + j.
+        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(diagonal=k_len - q_len)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+
+
+def flash_paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    attn_metadata: AttentionMetadata | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """flash-attn's paged varlen kernel (GPU; block sizes multiple of 256)."""
+    from flash_attn import flash_attn_varlen_func
+
+    meta = attn_metadata
+    if meta is None:
+        raise RuntimeError("paged attention needs attn_metadata; run the model through the engine's ModelRunner")
+    layer_k = meta.kv_cache[:, module.layer_idx, 0]
+    layer_v = meta.kv_cache[:, module.layer_idx, 1]
+    write_kv(layer_k, key[0].transpose(0, 1), meta)
+    write_kv(layer_v, value[0].transpose(0, 1), meta)
+    device = query.device
+    lengths = [end - start for start, end in zip(meta.query_start, meta.query_start[1:], strict=False)]
+    width = max(len(t) for t in meta.block_tables)
+    tables = torch.zeros(len(meta.block_tables), width, dtype=torch.int32, device=device)
+    for i, table in enumerate(meta.block_tables):
+        tables[i, : len(table)] = table
+    out = flash_attn_varlen_func(
+        query[0].transpose(0, 1),
+        layer_k,
+        layer_v,
+        cu_seqlens_q=torch.tensor(meta.query_start, dtype=torch.int32, device=device),
+        cu_seqlens_k=torch.tensor([0, *_cumsum(meta.context_lens)], dtype=torch.int32, device=device),
+        max_seqlen_q=max(lengths),
+        max_seqlen_k=max(meta.context_lens),
+        softmax_scale=scaling,
+        causal=True,  # bottom-right aligned in flash-attn >= 2.1
+        block_table=tables,
+    )
+    return out.unsqueeze(0), None
+
+
+def _cumsum(values: list[int]) -> list[int]:
+    total, out = 0, []
+    for value in values:
+        total += value
+        out.append(total)
+    return out
+
+
+BACKENDS = {"torch": "kvd_paged_torch", "flash-attn": "kvd_paged_flash"}
+#: flash-attn's paged KV path reads whole pages of this many tokens.
+FLASH_BLOCK_MULTIPLE = 256
+
+
+def flash_attn_available() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def choose_backend(requested: str, device: str) -> str:
+    """The backend to use; registers both with transformers.
+
+    Raises:
+        ValueError: flash-attn asked for where it cannot run.
+    """
+    AttentionInterface.register(BACKENDS["torch"], torch_paged_attention)
+    AttentionInterface.register(BACKENDS["flash-attn"], flash_paged_attention)
+    on_gpu = device.startswith("cuda")
+    if requested == "flash-attn" and not (on_gpu and flash_attn_available()):
+        raise ValueError("--attention-backend flash-attn needs a CUDA device and the flash-attn package")
+    if requested == "auto":
+        return "flash-attn" if on_gpu and flash_attn_available() else "torch"
+    return requested
+
+
+def block_size_fits(backend: str, block_size: int) -> bool:
+    """Whether the backend can page with the daemon's block size (checked at attach)."""
+    return backend != "flash-attn" or block_size % FLASH_BLOCK_MULTIPLE == 0
+
+
+def block_size_message(backend: str, block_size: int) -> str:
+    return (
+        f"the {backend} backend needs a block size that is a multiple of {FLASH_BLOCK_MULTIPLE}; "
+        f"the daemon uses {block_size} (start it with --block-size 256, or use --attention-backend torch)"
+    )

@@ -1,0 +1,217 @@
+"""The engine's gRPC service: validation, streaming, and the Engine in between."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import uuid
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from inference.engine import Engine, EngineUnavailable
+from inference.sampling import SamplingParams
+from inference.sequence import Finish, Sequence
+from kvd_api.engine.v1 import engine_pb2 as pb
+from kvd_api.engine.v1 import engine_pb2_grpc as pb_grpc
+
+log = logging.getLogger("inference.service")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Engine"].full_name
+DEFAULT_MAX_NEW_TOKENS = 64
+
+_FINISH_TO_PB = {
+    Finish.LENGTH: pb.FINISH_REASON_LENGTH,
+    Finish.STOP: pb.FINISH_REASON_STOP,
+    Finish.EOS: pb.FINISH_REASON_EOS,
+    Finish.CANCELLED: pb.FINISH_REASON_CANCELLED,
+}
+
+
+class ModelInfo:
+    """What the service needs to know of the model."""
+
+    def __init__(self, name: str, dtype: str, device: str, backend: str, max_context: int, vocab_size: int,
+                 eos_token_ids: set[int], block_size: int) -> None:  # fmt: skip
+        self.name, self.dtype, self.device, self.backend = name, dtype, device, backend
+        self.max_context, self.vocab_size, self.block_size = max_context, vocab_size, block_size
+        self.eos_token_ids = eos_token_ids
+
+
+class EngineService(pb_grpc.EngineServicer):
+    """Args:
+    prefix_caching: when False every request gets a salt of its own, so
+        nothing it computes is ever reused (the cache's worth, measured).
+    """
+
+    def __init__(self, engine: Engine, tokenizer, info: ModelInfo, prefix_caching: bool = True) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.info = info
+        self.prefix_caching = prefix_caching
+
+    def _salt(self, requested: bytes) -> bytes:
+        return requested if self.prefix_caching else secrets.token_bytes(16)
+
+    # ----------------------------------------------------------- Generate
+
+    def Generate(self, request, context):
+        try:
+            prompt = self._prompt_ids(request, "prompt")
+            params = sampling_params(request.sampling)
+            self._check_fits(len(prompt), params.max_new_tokens)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        seq = Sequence(uuid.uuid4().hex, prompt, params, cache_salt=self._salt(request.cache_salt))
+        response_id = request.request_id or seq.request_id
+        yield from self._stream(seq, response_id, context)
+
+    def _stream(self, seq: Sequence, response_id: str, context):
+        self._submit(seq, context)
+        # Fires when the client cancels, the deadline passes, or the call
+        # ends; cancelling a finished sequence does nothing.
+        context.add_callback(lambda: self.engine.cancel(seq.request_id))
+        while True:
+            event = seq.events.get()
+            if event[0] == "tokens":
+                _, token_ids, logprobs, text = event
+                yield pb.GenerateResponse(request_id=response_id, token_ids=token_ids, logprobs=logprobs, text=text)
+            elif event[0] == "finished":
+                yield pb.GenerateResponse(
+                    request_id=response_id, finish_reason=_FINISH_TO_PB[event[1]], usage=usage(seq)
+                )
+                return
+            else:
+                context.abort(grpc.StatusCode.UNAVAILABLE, event[1])
+
+    def _submit(self, seq: Sequence, context) -> None:
+        try:
+            self.engine.submit(seq)
+        except EngineUnavailable as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+
+    # ----------------------------------------------------- unary methods
+
+    def Tokenize(self, request, context):
+        kind = request.WhichOneof("input")
+        if kind is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "input: give text or chat messages")
+        ids = self._chat_ids(request.chat) if kind == "chat" else self._text_ids(request.text)
+        return pb.TokenizeResponse(token_ids=ids)
+
+    def Warm(self, request, context):
+        try:
+            prompt = self._checked_ids(list(request.token_ids), "token_ids")
+            self._check_fits(len(prompt), 0)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        seq = Sequence(
+            uuid.uuid4().hex, prompt, SamplingParams(max_new_tokens=1), request.cache_salt, prefill_only=True
+        )
+        for _ in self._stream(seq, seq.request_id, context):
+            pass
+        session = self.engine.session
+        if session is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is not attached to the KV-cache daemon")
+        return pb.WarmResponse(cached_tokens=session.client.lookup(prompt, request.cache_salt))
+
+    def Info(self, request, context):
+        i = self.info
+        return pb.InfoResponse(
+            model=i.name,
+            dtype=i.dtype,
+            block_size=i.block_size,
+            max_context=i.max_context,
+            attention_backend=i.backend,
+            vocab_size=i.vocab_size,
+            eos_token_ids=sorted(i.eos_token_ids),
+            device=i.device,
+        )
+
+    # ---------------------------------------------------------- helpers
+
+    def _prompt_ids(self, request, field: str) -> list[int]:
+        kind = request.WhichOneof("prompt")
+        if kind == "text":
+            ids = self._text_ids(request.text)
+        elif kind == "chat":
+            ids = self._chat_ids(request.chat)
+        elif kind == "token_ids":
+            ids = self._checked_ids(list(request.token_ids.ids), "prompt.token_ids")
+        else:
+            raise ValueError(f"{field}: give text, chat messages or token ids")
+        if not ids:
+            raise ValueError(f"{field} is empty")
+        return ids
+
+    def _text_ids(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _chat_ids(self, chat) -> list[int]:
+        if not chat.messages:
+            raise ValueError("chat.messages is empty")
+        messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+        add_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+        encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_prompt, tokenize=True)
+        return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+    def _checked_ids(self, ids: list[int], field: str) -> list[int]:
+        if not ids:
+            raise ValueError(f"{field} is empty")
+        vocab = self.info.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"{field}: token id {bad} is outside the vocabulary [0, {vocab})")
+        return ids
+
+    def _check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        if prompt_len + max_new_tokens > self.info.max_context:
+            raise ValueError(
+                f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context "
+                f"of {self.info.max_context} tokens"
+            )
+
+
+def sampling_params(msg: pb.SamplingParams) -> SamplingParams:
+    """Raises ``ValueError`` naming the field on a bad value."""
+    return SamplingParams(
+        temperature=msg.temperature if msg.HasField("temperature") else 0.0,
+        top_k=msg.top_k if msg.HasField("top_k") else 0,
+        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+        seed=msg.seed if msg.HasField("seed") else None,
+        max_new_tokens=msg.max_new_tokens if msg.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        stop=tuple(msg.stop),
+        ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs,
+    )
+
+
+def usage(seq: Sequence) -> pb.Usage:
+    ttft = (seq.first_token_s - seq.arrival_s) if seq.first_token_s is not None else 0.0
+    return pb.Usage(
+        prompt_tokens=len(seq.prompt_ids),
+        cached_prompt_tokens=max(seq.num_cached_prompt, 0),
+        completion_tokens=len(seq.output_ids),
+        time_to_first_token_s=ttft,
+    )
+
+
+def build_server(service: EngineService, max_workers: int = 64) -> tuple[grpc.Server, health.HealthServicer]:
+    """The engine's server with health (NOT_SERVING until attached) and reflection."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="engine-rpc"))
+    pb_grpc.add_EngineServicer_to_server(service, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
+    return server, health_servicer
+
+
+def set_health(health_servicer: health.HealthServicer, serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, status)

@@ -1,0 +1,75 @@
+"""`kvd-serve`: the whole stack on its defaults, as child processes.
+
+Starts the daemon and the engine (the gateway joins them once it exists),
+prints where to reach them, stops all of them on Ctrl-C, and if one dies,
+stops the others with a message naming it. Each child keeps its own flags and
+environment variables; this only supervises.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from kvd.cli import default_socket
+
+
+def _children(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+    python = sys.executable
+    socket_path = os.environ.get("KVD_SOCKET", default_socket())
+    return [
+        ("kvd", [python, "-m", "kvd.cli", "--socket", socket_path]),
+        ("engine", [python, "-m", "inference.cli", "--kvd-address", f"unix:{socket_path}", "--listen", args.engine]),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvd-serve", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--engine",
+        default=os.environ.get("KVD_ENGINE_ADDR", "127.0.0.1:50052"),
+        help="engine address (KVD_ENGINE_ADDR)",
+    )
+    args = parser.parse_args(argv)
+    procs: dict[str, subprocess.Popen] = {}
+    stopping = False
+
+    def stop(*_):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    for name, cmd in _children(args):
+        procs[name] = subprocess.Popen(cmd)
+    print(f"kvd-serve: engine on {args.engine} (gRPC); Ctrl-C stops everything", flush=True)
+    code = 0
+    while not stopping:
+        for name, proc in procs.items():
+            if proc.poll() is not None:
+                print(f"kvd-serve: {name} exited with code {proc.returncode}; stopping the others", file=sys.stderr)
+                stopping, code = True, 1
+                break
+        time.sleep(0.2)
+    _stop_all(procs)
+    return code
+
+
+def _stop_all(procs: dict[str, subprocess.Popen]) -> None:
+    # The engine first, then the daemon it is attached to.
+    for proc in reversed(list(procs.values())):
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs.values():
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

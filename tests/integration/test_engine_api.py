@@ -1,0 +1,120 @@
+"""The engine's gRPC API as a client sees it: inputs, outputs, errors."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from inference import model_store
+from kvd.client import DaemonClient
+from kvd_api.engine.v1 import engine_pb2 as pb
+from tests.integration.engine_client import generate, request, stub
+
+
+@pytest.fixture(scope="module")
+def engine(shared_stack):
+    return stub(shared_stack.address)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return model_store.load_tokenizer(model_dir)
+
+
+def test_info_describes_the_model(engine):
+    info = engine.Info(pb.InfoRequest())
+    assert (info.block_size, info.max_context, info.vocab_size) == (16, 8192, 49152)
+    assert info.dtype == "float32" and info.attention_backend == "torch" and 2 in info.eos_token_ids
+
+
+def test_tokenize_text_and_chat(engine, tokenizer):
+    text = engine.Tokenize(pb.TokenizeRequest(text="Hello, world!")).token_ids
+    assert list(text) == tokenizer.encode("Hello, world!", add_special_tokens=False)
+    chat = pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content="Hi")])
+    ids = list(engine.Tokenize(pb.TokenizeRequest(chat=chat)).token_ids)
+    assert tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
+
+
+def test_streamed_text_is_the_decoded_tokens_across_multibyte_characters(engine, tokenizer):
+    ids = tokenizer.encode("Écris une phrase en français avec des accents: é, è, à, ç.", add_special_tokens=False)
+    tokens, text, final = generate(engine, request(ids, 24))
+    assert text == tokenizer.decode(tokens, skip_special_tokens=True)
+    assert "\ufffd" not in text and final.finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def test_chat_generation_stops_at_eos(engine):
+    chat = pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content="Say just the word: yes")])
+    req = pb.GenerateRequest(chat=chat, sampling=pb.SamplingParams(max_new_tokens=40))
+    tokens, text, final = generate(engine, req)
+    assert final.finish_reason == pb.FINISH_REASON_EOS and tokens[-1] == 2
+    assert "yes" in text.lower() and final.usage.completion_tokens == len(tokens)
+
+
+def test_a_stop_string_ends_the_output_and_is_not_returned(engine, tokenizer):
+    ids = tokenizer.encode("Count: 1, 2, 3, 4, 5, 6, 7,", add_special_tokens=False)
+    unstopped, full_text, _ = generate(engine, request(ids, 16))
+    assert " 9" in full_text, full_text
+    _, text, final = generate(engine, request(ids, 16, stop=[" 9"]))
+    assert final.finish_reason == pb.FINISH_REASON_STOP
+    assert text == full_text[: full_text.index(" 9")]
+
+
+def test_seeded_sampling_is_reproducible(engine, tokenizer):
+    ids = tokenizer.encode("Once upon a time", add_special_tokens=False)
+    sampled = dict(temperature=1.0, top_p=0.95, top_k=50, seed=1234, logprobs=True)
+    first, _, _ = generate(engine, request(ids, 16, **sampled))
+    second, _, _ = generate(engine, request(ids, 16, **sampled))
+    other, _, _ = generate(engine, request(ids, 16, **{**sampled, "seed": 99}))
+    assert first == second and first != other
+
+
+def test_logprobs_are_returned_when_asked(engine, tokenizer):
+    ids = tokenizer.encode("The capital of France is", add_special_tokens=False)
+    logprobs = []
+    for message in engine.Generate(request(ids, 4, logprobs=True)):
+        logprobs.extend(message.logprobs)
+        assert len(message.logprobs) in (0, len(message.token_ids))
+    assert len(logprobs) == 4 and all(lp <= 0 for lp in logprobs)
+
+
+def test_warm_caches_a_prefix_and_reports_it(shared_stack, engine, tokenizer):
+    ids = tokenizer.encode("A template of instructions. " * 8, add_special_tokens=False)
+    reply = engine.Warm(pb.WarmRequest(token_ids=ids, cache_salt=b"warm-test"))
+    assert reply.cached_tokens == len(ids) // 16 * 16 > 0
+    daemon = DaemonClient.connect(shared_stack.daemon.address)
+    assert daemon.lookup(ids, b"warm-test") == reply.cached_tokens
+    _, _, final = generate(engine, pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=ids + [42]), cache_salt=b"warm-test", sampling=pb.SamplingParams(max_new_tokens=2)
+    ))  # fmt: skip
+    assert final.usage.cached_prompt_tokens == reply.cached_tokens
+
+
+BAD_REQUESTS = {
+    "empty prompt": (pb.GenerateRequest(sampling=pb.SamplingParams()), "prompt"),
+    "empty token ids": (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[])), "prompt"),
+    "token outside the vocabulary": (request([1, 2, 49152]), "vocabulary"),
+    "negative token": (request([1, -2]), "vocabulary"),
+    "max tokens < 1": (request([1, 2], 0), "max_new_tokens"),
+    "negative temperature": (request([1, 2], 4, temperature=-0.5), "temperature"),
+    "top_p zero": (request([1, 2], 4, top_p=0.0), "top_p"),
+    "top_p above one": (request([1, 2], 4, top_p=1.5), "top_p"),
+    "too long for the context": (request([1] * 8000, 500), "context"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_REQUESTS))
+def test_bad_requests_are_refused_with_the_field_named(shared_stack, engine, case):
+    req, words = BAD_REQUESTS[case]
+    with pytest.raises(grpc.RpcError) as err:
+        list(engine.Generate(req, timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert words in err.value.details()
+    assert DaemonClient.connect(shared_stack.daemon.address).stats().num_requests == 0
+
+
+def test_health_and_reflection(shared_stack):
+    with grpc.insecure_channel(shared_stack.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        reply = health.Check(health_pb2.HealthCheckRequest(service="kvd.engine.v1.Engine"))
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
