@@ -4,7 +4,7 @@ A single thread owns the scheduler, the model and the daemon session. gRPC
 handlers talk to it through a thread-safe inbox and read each sequence's
 ``events`` queue:
 
-    ("tokens", token_ids, logprobs, text)   as tokens are sampled
+    ("tokens", token_ids, logprobs, text, top_logprobs)   as tokens are sampled
     ("finished", Finish)                    after the daemon freed its blocks
     ("error", message)                      the daemon was lost mid-request
 """
@@ -164,14 +164,14 @@ class Engine:
             elif seq.is_finished:  # a warm-up whose prompt is now in the cache
                 self._finished(seq)
         if sampling:
-            tokens, logprobs = self.sampler.sample(
-                logits, [s.params for s in sampling], [s.generator for s in sampling]
-            )
-            for seq, token, logprob in zip(sampling, tokens, logprobs, strict=True):
-                self._append_token(seq, token, logprob)
+            sampled = self.sampler.sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
+            for i, seq in enumerate(sampling):
+                self._append_token(seq, sampled.tokens[i], sampled.logprobs[i], sampled.top[i])
                 self.scheduler.sampled(seq)
 
-    def _append_token(self, seq: Sequence, token: int, logprob: float) -> None:
+    def _append_token(
+        self, seq: Sequence, token: int, logprob: float, top: tuple[list[int], list[float]] | None
+    ) -> None:
         if seq.first_token_s is None:
             seq.first_token_s = time.monotonic()
         seq.output_ids.append(token)
@@ -187,7 +187,7 @@ class Engine:
             seq.finish = Finish.LENGTH
         if seq.finish is not None:
             text += "" if detok.stopped else detok.finish()
-        seq.events.put(("tokens", [token], [logprob] if params.logprobs else [], text))
+        seq.events.put(("tokens", [token], [logprob] if params.logprobs else [], text, [top] if top else []))
         if seq.finish is not None:
             self._finished(seq)
 

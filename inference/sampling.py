@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+MAX_TOP_LOGPROBS = 20
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -25,6 +27,7 @@ class SamplingParams:
         stop: strings that end the output (not returned).
         ignore_eos: keep going past end-of-sequence tokens.
         logprobs: return each chosen token's log-probability.
+        top_logprobs: also return this many most likely tokens (0-20) per step.
     """
 
     temperature: float = 0.0
@@ -36,6 +39,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -46,6 +50,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
 
@@ -60,6 +66,15 @@ def make_generator(seed: int | None) -> torch.Generator:
     return generator
 
 
+@dataclass(frozen=True)
+class Sampled:
+    """One step's choices, row by row."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    top: list[tuple[list[int], list[float]] | None]  # (token ids, logprobs) when asked for
+
+
 class Sampler:
     """Picks one token per row of logits; each row has its own parameters."""
 
@@ -68,9 +83,9 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
-    ) -> tuple[list[int], list[float]]:
-        """Returns the chosen token of each row and its log-probability under
-        the model's unmodified distribution."""
+    ) -> Sampled:
+        """Picks each row's token; log-probabilities are under the model's
+        unmodified distribution."""
         logits = logits if logits.dtype == torch.float64 else logits.float()
         logprobs = torch.log_softmax(logits, dim=-1)
         tokens = logits.argmax(dim=-1)  # greedy rows keep this
@@ -78,7 +93,12 @@ class Sampler:
             if not p.greedy:
                 tokens[row] = _draw(logits[row], p, generators[row])
         chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-        return tokens.tolist(), chosen.tolist()
+        top: list[tuple[list[int], list[float]] | None] = [None] * len(params)
+        for row, p in enumerate(params):
+            if p.top_logprobs:
+                values, ids = torch.topk(logprobs[row], p.top_logprobs)
+                top[row] = (ids.tolist(), values.tolist())
+        return Sampled(tokens.tolist(), chosen.tolist(), top)
 
 
 def _draw(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:

@@ -76,8 +76,14 @@ class EngineService(pb_grpc.EngineServicer):
         while True:
             event = seq.events.get()
             if event[0] == "tokens":
-                _, token_ids, logprobs, text = event
-                yield pb.GenerateResponse(request_id=response_id, token_ids=token_ids, logprobs=logprobs, text=text)
+                _, token_ids, logprobs, text, top = event
+                yield pb.GenerateResponse(
+                    request_id=response_id,
+                    token_ids=token_ids,
+                    logprobs=logprobs,
+                    text=text,
+                    top_logprobs=[pb.TopLogprobs(token_ids=ids, logprobs=lps) for ids, lps in top],
+                )
             elif event[0] == "finished":
                 yield pb.GenerateResponse(
                     request_id=response_id, finish_reason=_FINISH_TO_PB[event[1]], usage=usage(seq)
@@ -186,6 +192,7 @@ def sampling_params(msg: pb.SamplingParams) -> SamplingParams:
         stop=tuple(msg.stop),
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs,
+        top_logprobs=msg.top_logprobs,
     )
 
 
