@@ -49,10 +49,19 @@ class AttentionMetadata:
     write_offsets: torch.Tensor
 
 
-def write_kv(layer_cache: torch.Tensor, new: torch.Tensor, meta: AttentionMetadata) -> None:
-    """Stores the new tokens' keys or values (``[tokens, kv_heads, head_dim]``)."""
+def store_new_kv(
+    layer_idx: int, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Writes the new tokens' K and V (``[1, kv_heads, tokens, head_dim]``) into
+    their slots; returns the layer's K and V cache views ``[blocks, block_size, kv_heads, head_dim]``."""
+    if meta is None:
+        raise RuntimeError("paged attention needs attn_metadata; run the model through the engine's ModelRunner")
+    layer_k = meta.kv_cache[:, layer_idx, 0]
+    layer_v = meta.kv_cache[:, layer_idx, 1]
     if meta.write_index.numel():
-        layer_cache[meta.write_blocks, meta.write_offsets] = new[meta.write_index]
+        for layer_cache, new in ((layer_k, key), (layer_v, value)):
+            layer_cache[meta.write_blocks, meta.write_offsets] = new[0].transpose(0, 1)[meta.write_index]
+    return layer_k, layer_v
 
 
 def gather_kv(layer_cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -81,12 +90,7 @@ def torch_paged_attention(
         ``[1, tokens, heads, head_dim]`` and no attention weights.
     """
     meta = attn_metadata
-    if meta is None:
-        raise RuntimeError("paged attention needs attn_metadata; run the model through the engine's ModelRunner")
-    layer_k = meta.kv_cache[:, module.layer_idx, 0]
-    layer_v = meta.kv_cache[:, module.layer_idx, 1]
-    write_kv(layer_k, key[0].transpose(0, 1), meta)
-    write_kv(layer_v, value[0].transpose(0, 1), meta)
+    layer_k, layer_v = store_new_kv(module.layer_idx, key, value, meta)
     q = query[0]
     out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)
     for i, context in enumerate(meta.context_lens):
@@ -122,12 +126,7 @@ def flash_paged_attention(
     from flash_attn import flash_attn_varlen_func
 
     meta = attn_metadata
-    if meta is None:
-        raise RuntimeError("paged attention needs attn_metadata; run the model through the engine's ModelRunner")
-    layer_k = meta.kv_cache[:, module.layer_idx, 0]
-    layer_v = meta.kv_cache[:, module.layer_idx, 1]
-    write_kv(layer_k, key[0].transpose(0, 1), meta)
-    write_kv(layer_v, value[0].transpose(0, 1), meta)
+    layer_k, layer_v = store_new_kv(module.layer_idx, key, value, meta)
     device = query.device
     lengths = [end - start for start, end in zip(meta.query_start, meta.query_start[1:], strict=False)]
     width = max(len(t) for t in meta.block_tables)

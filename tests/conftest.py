@@ -39,6 +39,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_process(process: subprocess.Popen, sig: int, timeout_s: float) -> int:
+    """Signals a child and waits for it; kills it if it does not stop in time."""
+    if process.poll() is None:
+        process.send_signal(sig)
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    return process.returncode
+
+
 @dataclass
 class DaemonProcess:
     """A `kvd` daemon running as a subprocess on its own socket and shm dir."""
@@ -60,14 +72,7 @@ class DaemonProcess:
         return self.log_path.read_text() if self.log_path.exists() else ""
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
-            try:
-                self.process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
+        return stop_process(self.process, sig, timeout_s)
 
 
 def wait_serving(address: str, timeout_s: float = 20.0, process: subprocess.Popen | None = None) -> None:
@@ -166,14 +171,7 @@ class EngineProcess:
         return self.log_path.read_text() if self.log_path.exists() else ""
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
-            try:
-                self.process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
+        return stop_process(self.process, sig, timeout_s)
 
 
 def start_engine(daemon: DaemonProcess, args: list[str], workdir: str, wait: bool = True) -> EngineProcess:

@@ -12,7 +12,12 @@ import pytest
 import torch
 
 from tests.conftest import start_daemon, start_engine
-from tests.integration.engine_client import request, stub
+from tests.integration.engine_client import (
+    assert_close_to_reference,
+    reference_generate,
+    stream_with_top5,
+    stub,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -56,20 +61,9 @@ def test_engine_on_cuda_matches_generate(random_llama, workdir):
         prompts = [prefix + torch.randint(3, 32000, (20,), generator=generator).tolist() for _ in range(8)]
         client = stub(engine.address)
         for ids in prompts:
-            tokens, top5 = [], []
-            for message in client.Generate(request(ids, NEW_TOKENS, top_logprobs=5), timeout=300):
-                tokens.extend(message.token_ids)
-                top5.extend(list(t.token_ids) for t in message.top_logprobs)
-            prompt = torch.tensor([ids], device="cuda")
-            ref = model.generate(
-                prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW_TOKENS, do_sample=False,
-                eos_token_id=None, pad_token_id=0, return_dict_in_generate=True, output_logits=True,
-            )  # fmt: skip
-            expected = ref.sequences[0, len(ids) :].tolist()
-            ref_top5 = [step[0].topk(5).indices.tolist() for step in ref.logits]
-            i = next((i for i, (a, b) in enumerate(zip(tokens, expected, strict=True)) if a != b), None)
-            if i is not None:
-                assert tokens[i] in ref_top5[i] and expected[i] in top5[i], (i, tokens, expected)
+            assert_close_to_reference(
+                *stream_with_top5(client, ids, NEW_TOKENS), *reference_generate(model, ids, NEW_TOKENS)
+            )
     finally:
         engine.stop()
         daemon.stop()

@@ -13,7 +13,15 @@ import pytest
 import torch
 
 from inference import model_store
-from tests.integration.engine_client import generate, reference_greedy, request, stub
+from tests.integration.engine_client import (
+    assert_close_to_reference,
+    generate,
+    reference_generate,
+    reference_greedy,
+    request,
+    stream_with_top5,
+    stub,
+)
 
 NEW_TOKENS = 12
 
@@ -105,23 +113,6 @@ def test_without_prefix_caching_nothing_is_cached_and_the_tokens_are_the_same(st
     assert first == second
 
 
-def reference_top5(model, token_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[list[int]]]:
-    """Greedy tokens and, at each step, the five most likely tokens."""
-    ids = torch.tensor([token_ids])
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=model.config.pad_token_id,
-        return_dict_in_generate=True,
-        output_logits=True,
-    )
-    tokens = out.sequences[0, len(token_ids) :].tolist()
-    return tokens, [step[0].topk(5).indices.tolist() for step in out.logits]
-
-
 def test_float32_matches_generate_up_to_near_ties(stack_factory, tokenizer, model_dir):
     """float32, the serving default: identical up to the first divergence, where
     each side's token is among the other's five most likely."""
@@ -130,24 +121,11 @@ def test_float32_matches_generate_up_to_near_ties(stack_factory, tokenizer, mode
     engine = stack_factory(engine_args=["--dtype", "float32", "--token-budget", "64"])
     client = stub(engine.address)
     with cf.ThreadPoolExecutor(len(token_lists)) as pool:
-        futures = [pool.submit(_stream_with_top5, client, ids) for ids in token_lists]
+        futures = [pool.submit(stream_with_top5, client, ids, NEW_TOKENS) for ids in token_lists]
         results = [f.result() for f in futures]
-    identical = 0
-    for ids, (tokens, engine_top5) in zip(token_lists, results, strict=True):
-        expected, reference_top = reference_top5(reference, ids, NEW_TOKENS)
-        divergence = next((i for i, (a, b) in enumerate(zip(tokens, expected, strict=True)) if a != b), None)
-        if divergence is None:
-            identical += 1
-            continue
-        assert tokens[divergence] in reference_top[divergence], (ids, divergence)
-        assert expected[divergence] in engine_top5[divergence], (ids, divergence)
+    identical = sum(
+        assert_close_to_reference(*result, *reference_generate(reference, ids, NEW_TOKENS))
+        for ids, result in zip(token_lists, results, strict=True)
+    )
     # Any divergence is a near-tie; most prompts should not diverge at all.
     assert identical >= len(token_lists) // 2
-
-
-def _stream_with_top5(client, ids: list[int]) -> tuple[list[int], list[list[int]]]:
-    tokens, tops = [], []
-    for message in client.Generate(request(ids, NEW_TOKENS, top_logprobs=5), timeout=300):
-        tokens.extend(message.token_ids)
-        tops.extend(list(t.token_ids) for t in message.top_logprobs)
-    return tokens, tops
