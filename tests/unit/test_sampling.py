@@ -1,0 +1,89 @@
+"""Choosing tokens: greedy, seeded sampling, top-k/top-p, logprobs, validation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from inference.sampling import Sampler, SamplingParams, make_generator
+
+SAMPLER = Sampler()
+
+
+def test_greedy_is_argmax_and_reports_the_raw_logprob():
+    logits = torch.tensor([[0.1, 2.0, -1.0, 1.9], [3.0, 0.0, 0.0, 0.0]])
+    out = SAMPLER.sample(logits, [SamplingParams(), SamplingParams(temperature=0.7, top_k=1)], [None, None])
+    assert out.tokens == [1, 0]
+    expected = torch.log_softmax(logits, dim=-1)
+    assert out.logprobs == pytest.approx([expected[0, 1].item(), expected[1, 0].item()])
+
+
+def test_a_seed_reproduces_the_draws_whatever_else_is_in_the_batch():
+    torch.manual_seed(0)
+    steps = [torch.randn(3, 50) for _ in range(20)]
+    params = SamplingParams(temperature=1.0, seed=7)
+    alone, together = make_generator(7), make_generator(7)
+    other = make_generator(8)
+    solo = [SAMPLER.sample(s[:1], [params], [alone]).tokens[0] for s in steps]
+    batched = [
+        SAMPLER.sample(s, [params, SamplingParams(), SamplingParams(temperature=1.0)], [together, None, other]).tokens[
+            0
+        ]
+        for s in steps
+    ]
+    assert solo == batched
+    different = make_generator(9)
+    assert solo != [SAMPLER.sample(s[:1], [params], [different]).tokens[0] for s in steps]
+
+
+def test_draws_follow_the_distribution():
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    logits = probs.log().unsqueeze(0)
+    generator = make_generator(123)
+    params = SamplingParams(temperature=1.0)
+    counts = torch.zeros(4)
+    draws = 4000
+    for _ in range(draws):
+        counts[SAMPLER.sample(logits, [params], [generator]).tokens[0]] += 1
+    assert torch.allclose(counts / draws, probs, atol=0.03)
+
+
+def test_top_k_and_top_p_cut_the_tail():
+    logits = torch.tensor([[4.0, 3.0, 0.0, -1.0]])  # p ~ [0.70, 0.26, 0.013, 0.005]
+    generator = make_generator(5)
+    top_k = {
+        SAMPLER.sample(logits, [SamplingParams(temperature=5.0, top_k=2)], [generator]).tokens[0] for _ in range(300)
+    }
+    assert top_k == {0, 1}
+    top_p = {
+        SAMPLER.sample(logits, [SamplingParams(temperature=1.0, top_p=0.5)], [generator]).tokens[0] for _ in range(100)
+    }
+    assert top_p == {0}
+
+
+def test_top_logprobs_are_the_most_likely_tokens():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    out = SAMPLER.sample(logits, [SamplingParams(top_logprobs=3)], [None])
+    ids, values = out.top[0]
+    assert ids == [1, 3, 2]
+    assert values == pytest.approx(torch.log_softmax(logits, -1)[0, [1, 3, 2]].tolist())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.01}, "top_p"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"stop": ("",)}, "stop"),
+        ({"top_logprobs": 21}, "top_logprobs"),
+    ],
+)
+def test_bad_parameters_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
