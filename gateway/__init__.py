@@ -1,0 +1,1 @@
+"""gateway: the public gRPC API — generation, named prefix templates in Redis, tenants."""

@@ -1,0 +1,213 @@
+"""Named prefix templates, kept in Redis, one namespace per tenant.
+
+Key schema (``{t}`` is the tenant, ``{n}`` the template name)::
+
+    kvd:tpl:{t}:{n}     hash   content, token_ids (uint32 LE bytes), description,
+                               create_time, cached_tokens; Redis expiry = the TTL
+    kvd:tpl-index:{t}   zset   every name of the tenant (score 0), for listing
+                               in name order; entries whose hash expired are
+                               dropped lazily as listings meet them
+
+A template's tokens are computed once (by the engine's tokenizer) when it is
+created; its content never changes (a new content is a new name).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import redis
+
+NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
+MAX_PAGE_SIZE = 500
+DEFAULT_PAGE_SIZE = 50
+
+
+class TemplateNotFound(LookupError):
+    pass
+
+
+class TemplateExists(Exception):
+    pass
+
+
+class StoreUnavailable(Exception):
+    """Redis cannot be reached."""
+
+
+@dataclass(frozen=True)
+class Template:
+    tenant: str
+    name: str
+    content: str
+    token_ids: list[int]
+    description: str
+    create_time: float
+    expire_time: float | None  # seconds since the epoch; None: never
+    cached_tokens: int
+
+
+def check_name(name: str) -> None:
+    if not NAME.match(name):
+        raise ValueError(f"template name {name!r} is not allowed: use [a-z0-9][a-z0-9._-]{{0,127}}")
+
+
+def check_ttl(ttl_seconds: int) -> None:
+    if ttl_seconds < 0:
+        raise ValueError(f"ttl_seconds must be >= 0, got {ttl_seconds}")
+
+
+class TemplateStore:
+    """Templates in one Redis database.
+
+    Every method raises ``StoreUnavailable`` when Redis cannot be reached.
+    """
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.redis = client
+
+    @staticmethod
+    def _key(tenant: str, name: str) -> str:
+        return f"kvd:tpl:{tenant}:{name}"
+
+    @staticmethod
+    def _index(tenant: str) -> str:
+        return f"kvd:tpl-index:{tenant}"
+
+    def create(
+        self, tenant: str, name: str, content: str, token_ids: Sequence[int], ttl_seconds: int, description: str
+    ) -> Template:
+        """Stores a new template.
+
+        Raises:
+            ValueError: a bad name, empty content or a negative TTL.
+            TemplateExists: the tenant already has this name.
+        """
+        check_name(name)
+        check_ttl(ttl_seconds)
+        if not content or not token_ids:
+            raise ValueError("template content must not be empty")
+        fields = {
+            "content": content,
+            "token_ids": array("I", token_ids).tobytes(),
+            "description": description,
+            "create_time": repr(time.time()),
+            "cached_tokens": 0,
+        }
+        key = self._key(tenant, name)
+        with self._redis() as r:
+            # HSETNX on one field makes creation atomic: a concurrent create loses.
+            if not r.hsetnx(key, "content", content):
+                raise TemplateExists(f"template {name!r} already exists")
+            pipe = r.pipeline()
+            pipe.hset(key, mapping=fields)
+            if ttl_seconds:
+                pipe.expire(key, ttl_seconds)
+            pipe.zadd(self._index(tenant), {name: 0})
+            pipe.execute()
+        return self.get(tenant, name)
+
+    def get(self, tenant: str, name: str) -> Template:
+        with self._redis() as r:
+            pipe = r.pipeline()
+            pipe.hgetall(self._key(tenant, name))
+            pipe.pttl(self._key(tenant, name))
+            fields, ttl_ms = pipe.execute()
+        if not fields:
+            raise TemplateNotFound(f"template {name!r} not found")
+        return _template(tenant, name, fields, ttl_ms)
+
+    def set_cached_tokens(self, tenant: str, name: str, cached_tokens: int) -> None:
+        with self._redis() as r:
+            # XX semantics: never resurrect an expired or deleted template.
+            if r.exists(self._key(tenant, name)):
+                r.hset(self._key(tenant, name), "cached_tokens", cached_tokens)
+
+    def update(self, tenant: str, name: str, ttl_seconds: int | None, description: str | None) -> Template:
+        key = self._key(tenant, name)
+        with self._redis() as r:
+            if not r.exists(key):
+                raise TemplateNotFound(f"template {name!r} not found")
+            if ttl_seconds is not None:
+                check_ttl(ttl_seconds)
+                if ttl_seconds:
+                    r.expire(key, ttl_seconds)
+                else:
+                    r.persist(key)
+            if description is not None:
+                r.hset(key, "description", description)
+        return self.get(tenant, name)
+
+    def delete(self, tenant: str, name: str) -> None:
+        with self._redis() as r:
+            pipe = r.pipeline()
+            pipe.delete(self._key(tenant, name))
+            pipe.zrem(self._index(tenant), name)
+            deleted, _ = pipe.execute()
+        if not deleted:
+            raise TemplateNotFound(f"template {name!r} not found")
+
+    def list(self, tenant: str, page_size: int = 0, page_token: str = "") -> tuple[list[Template], str]:
+        """A page of templates in name order, and the token of the next page ("" at the end)."""
+        if page_size < 0:
+            raise ValueError(f"page_size must be >= 0, got {page_size}")
+        size = min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
+        start = f"({page_token}" if page_token else "-"
+        found: list[Template] = []
+        with self._redis() as r:
+            while len(found) < size:
+                names = [n.decode() for n in r.zrangebylex(self._index(tenant), start, "+", 0, size - len(found))]
+                if not names:
+                    return found, ""
+                for name in names:
+                    try:
+                        found.append(self.get(tenant, name))
+                    except TemplateNotFound:  # expired: drop it from the index
+                        r.zrem(self._index(tenant), name)
+                start = f"({names[-1]}"
+            more = r.zrangebylex(self._index(tenant), start, "+", 0, 1)
+        return found, (found[-1].name if more else "")
+
+    def count(self, tenant: str) -> int:
+        with self._redis() as r:
+            return r.zcard(self._index(tenant))
+
+    def exists(self, tenant: str, name: str) -> bool:
+        with self._redis() as r:
+            return bool(r.exists(self._key(tenant, name)))
+
+    def _redis(self):
+        return _Guard(self.redis)
+
+
+class _Guard:
+    """Turns connection failures into StoreUnavailable."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+
+    def __enter__(self) -> redis.Redis:
+        return self.client
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None and issubclass(exc_type, redis.ConnectionError | redis.TimeoutError):
+            raise StoreUnavailable(f"Redis is unreachable: {exc}") from exc
+
+
+def _template(tenant: str, name: str, fields: dict[bytes, bytes], ttl_ms: int) -> Template:
+    tokens = array("I")
+    tokens.frombytes(fields[b"token_ids"])
+    return Template(
+        tenant=tenant,
+        name=name,
+        content=fields[b"content"].decode(),
+        token_ids=tokens.tolist(),
+        description=fields.get(b"description", b"").decode(),
+        create_time=float(fields[b"create_time"]),
+        expire_time=time.time() + ttl_ms / 1000 if ttl_ms > 0 else None,
+        cached_tokens=int(fields.get(b"cached_tokens", b"0")),
+    )

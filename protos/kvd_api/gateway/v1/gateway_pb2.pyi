@@ -1,0 +1,145 @@
+import datetime
+
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from kvd_api.engine.v1 import engine_pb2 as _engine_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("text", "chat", "token_ids", "template", "sampling", "cache_salt")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    chat: _engine_pb2.ChatPrompt
+    token_ids: _engine_pb2.TokenIds
+    template: str
+    sampling: _engine_pb2.SamplingParams
+    cache_salt: bytes
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[_engine_pb2.ChatPrompt, _Mapping]] = ..., token_ids: _Optional[_Union[_engine_pb2.TokenIds, _Mapping]] = ..., template: _Optional[str] = ..., sampling: _Optional[_Union[_engine_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "template_tokens", "cached_prompt_tokens", "completion_tokens", "time_to_first_token_s")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPLATE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIME_TO_FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    template_tokens: int
+    cached_prompt_tokens: int
+    completion_tokens: int
+    time_to_first_token_s: float
+    def __init__(self, prompt_tokens: _Optional[int] = ..., template_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "usage")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    finish_reason: _engine_pb2.FinishReason
+    usage: Usage
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_engine_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+
+class Template(_message.Message):
+    __slots__ = ("name", "description", "token_count", "cached_token_count", "create_time", "expire_time", "content")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    EXPIRE_TIME_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    token_count: int
+    cached_token_count: int
+    create_time: _timestamp_pb2.Timestamp
+    expire_time: _timestamp_pb2.Timestamp
+    content: str
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., token_count: _Optional[int] = ..., cached_token_count: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., content: _Optional[str] = ...) -> None: ...
+
+class CreateTemplateRequest(_message.Message):
+    __slots__ = ("name", "content", "ttl_seconds", "description")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    content: str
+    ttl_seconds: int
+    description: str
+    def __init__(self, name: _Optional[str] = ..., content: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., description: _Optional[str] = ...) -> None: ...
+
+class GetTemplateRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class ListTemplatesRequest(_message.Message):
+    __slots__ = ("page_size", "page_token")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class ListTemplatesResponse(_message.Message):
+    __slots__ = ("templates", "next_page_token")
+    TEMPLATES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    templates: _containers.RepeatedCompositeFieldContainer[Template]
+    next_page_token: str
+    def __init__(self, templates: _Optional[_Iterable[_Union[Template, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class UpdateTemplateRequest(_message.Message):
+    __slots__ = ("name", "ttl_seconds", "description")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    ttl_seconds: int
+    description: str
+    def __init__(self, name: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., description: _Optional[str] = ...) -> None: ...
+
+class DeleteTemplateRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class DeleteTemplateResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoResponse(_message.Message):
+    __slots__ = ("model", "block_size", "max_context", "templates", "version")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    TEMPLATES_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    block_size: int
+    max_context: int
+    templates: int
+    version: str
+    def __init__(self, model: _Optional[str] = ..., block_size: _Optional[int] = ..., max_context: _Optional[int] = ..., templates: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
