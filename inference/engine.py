@@ -129,6 +129,9 @@ class Engine:
             if self.session is None and not self._try_attach():
                 self._stop.wait(self.config.reattach_interval_s)
                 continue
+            if self.session.lost is not None:  # seen by a heartbeat while we were idle
+                self._lost_daemon(f"the KV-cache daemon is unavailable ({self.session.lost})")
+                continue
             self._drain_inbox()
             if not self.scheduler.has_work and not self._finished_pending:
                 self._wake.wait(0.5)

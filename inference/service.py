@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import uuid
@@ -14,6 +15,7 @@ from grpc_reflection.v1alpha import reflection
 from inference.engine import Engine, EngineUnavailable
 from inference.sampling import SamplingParams
 from inference.sequence import Finish, Sequence
+from kvd.client import DaemonClient
 from kvd_api.engine.v1 import engine_pb2 as pb
 from kvd_api.engine.v1 import engine_pb2_grpc as pb_grpc
 
@@ -104,7 +106,10 @@ class EngineService(pb_grpc.EngineServicer):
         kind = request.WhichOneof("input")
         if kind is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "input: give text or chat messages")
-        ids = self._chat_ids(request.chat) if kind == "chat" else self._text_ids(request.text)
+        try:
+            ids = self._chat_ids(request.chat) if kind == "chat" else self._text_ids(request.text)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return pb.TokenizeResponse(token_ids=ids)
 
     def Warm(self, request, context):
@@ -118,10 +123,24 @@ class EngineService(pb_grpc.EngineServicer):
         )
         for _ in self._stream(seq, seq.request_id, context):
             pass
+        daemon = self._daemon(context)
+        with _daemon_errors(context):
+            cached = daemon.lookup(prompt, request.cache_salt)
+            pinned = daemon.pin(request.pin_id, prompt, request.cache_salt) if request.pin_id else 0
+        return pb.WarmResponse(cached_tokens=cached, pinned_tokens=pinned)
+
+    def Unpin(self, request, context):
+        if not request.pin_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "pin_id is empty")
+        daemon = self._daemon(context)
+        with _daemon_errors(context):
+            return pb.UnpinResponse(unpinned_blocks=daemon.unpin(request.pin_id))
+
+    def _daemon(self, context) -> DaemonClient:
         session = self.engine.session
         if session is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is not attached to the KV-cache daemon")
-        return pb.WarmResponse(cached_tokens=session.client.lookup(prompt, request.cache_salt))
+        return session.client
 
     def Info(self, request, context):
         i = self.info
@@ -134,6 +153,7 @@ class EngineService(pb_grpc.EngineServicer):
             vocab_size=i.vocab_size,
             eos_token_ids=sorted(i.eos_token_ids),
             device=i.device,
+            cache_id=session.cache_id if (session := self.engine.session) is not None else "",
         )
 
     # ---------------------------------------------------------- helpers
@@ -178,6 +198,19 @@ class EngineService(pb_grpc.EngineServicer):
                 f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context "
                 f"of {self.info.max_context} tokens"
             )
+
+
+@contextlib.contextmanager
+def _daemon_errors(context):
+    """Passes the daemon's refusals (pin cap, unknown pin) on with their status;
+    a lost daemon is UNAVAILABLE."""
+    try:
+        yield
+    except grpc.RpcError as err:
+        code = err.code()
+        if code not in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND):
+            code = grpc.StatusCode.UNAVAILABLE
+        context.abort(code, f"KV-cache daemon: {err.details()}")
 
 
 def sampling_params(msg: pb.SamplingParams) -> SamplingParams:

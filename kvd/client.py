@@ -7,7 +7,6 @@ with DaemonClient.connect("unix:/tmp/kvd-0/kvd.sock") as client:
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Iterator
 
@@ -56,6 +55,19 @@ class DaemonClient:
         """Cached leading tokens of ``token_ids`` (block-aligned)."""
         return self.stub.Lookup(pb.LookupRequest(token_ids=token_ids, cache_salt=cache_salt)).num_cached_tokens
 
+    def pin(self, pin_id: str, token_ids: list[int], cache_salt: bytes = b"") -> int:
+        """Pins the cached prefix of ``token_ids``; returns the tokens pinned.
+
+        Raises:
+            grpc.RpcError: RESOURCE_EXHAUSTED past the daemon's pin cap.
+        """
+        request = pb.PinRequest(pin_id=pin_id, token_ids=token_ids, cache_salt=cache_salt)
+        return self.stub.Pin(request).num_pinned_tokens
+
+    def unpin(self, pin_id: str) -> int:
+        """Releases a pin; returns its blocks. Raises grpc.RpcError NOT_FOUND for an unknown pin."""
+        return self.stub.Unpin(pb.UnpinRequest(pin_id=pin_id)).num_unpinned_blocks
+
     def events(self) -> Iterator[pb.BlockEvents]:
         return self.stub.Events(pb.EventsRequest())
 
@@ -78,6 +90,8 @@ class Session:
     Attributes:
         layout: the cache's layout (block size included).
         num_blocks: blocks in the cache.
+        cache_id: the cache's identity; a new one after a daemon restart.
+        lost: set (to the reason) when a heartbeat finds the session gone.
         cache: the mapped cache tensor ``[num_blocks, layers, 2, block, heads, dim]``.
     """
 
@@ -86,10 +100,12 @@ class Session:
         self.session_id = reply.session_id
         self.layout = wire.layout_from_pb(reply.layout, reply.layout.block_size)
         self.num_blocks = reply.layout.num_blocks
+        self.cache_id = reply.cache_id
         self.cache: torch.Tensor | None = None
         if map_memory:
             export = wire.export_from_pb(reply.memory)
             self.cache = map_kv_cache(export, self.layout, tuple(reply.memory.shape), tuple(reply.memory.stride))
+        self.lost: str | None = None  # why, once a heartbeat found the session gone
         self._stop = threading.Event()
         self._heartbeat = threading.Thread(
             target=self._beat, args=(reply.heartbeat_interval_s,), name="kvd-heartbeat", daemon=True
@@ -103,9 +119,16 @@ class Session:
 
     def _beat(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):
-            # A failed beat is not fatal: the next Step reports a lost session.
-            with contextlib.suppress(grpc.RpcError):
+            try:
                 self.client.stub.Heartbeat(pb.HeartbeatRequest(session_id=self.session_id), timeout=interval_s)
+            except grpc.RpcError as err:
+                # NOT_FOUND: the daemon no longer knows us (it restarted, or our
+                # lease lapsed); UNAVAILABLE: it is gone. Either way the blocks
+                # and the memory we map are no longer ours. Other errors (a slow
+                # beat) are left to the next one.
+                if err.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE):
+                    self.lost = f"{err.code().name}: {err.details()}"
+                    return
 
     def detach(self) -> int:
         self._stop.set()

@@ -12,6 +12,7 @@ import hashlib
 import logging
 import queue
 import threading
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -96,6 +97,7 @@ class Daemon:
         self.lock = threading.Lock()
         self.sessions = SessionRegistry(config.lease_s)
         self.memory: KVMemory | None = None
+        self.cache_id = ""  # set when the cache is created; new cache, new id
         self.pool: BlockPool | None = None
         self.manager: KVCacheManager | None = None
         self.pins: PinRegistry | None = None
@@ -116,6 +118,7 @@ class Daemon:
         )
         num_blocks = cfg.num_blocks or layout.num_blocks_for(cfg.memory_budget_bytes)
         self.memory = KVMemory(layout, num_blocks, cfg.device, cfg.shm_dir)
+        self.cache_id = uuid.uuid4().hex
         self.pool = BlockPool(num_blocks, enable_caching=cfg.enable_caching, record_events=True)
         self.manager = KVCacheManager(self.pool, cfg.block_size)
         self.pins = PinRegistry(self.pool, int(num_blocks * cfg.max_pinned_fraction))
@@ -267,7 +270,8 @@ class Daemon:
 
     def _hashes(self, token_ids: Sequence[int], cache_salt: bytes, extra_keys: Sequence[bytes]) -> list[bytes]:
         extra = encode_extra_keys(cache_salt, extra_keys)
-        return sequence_block_hashes(token_ids, self.config.block_size, extra)
+        memo = self.manager.digests if self.manager is not None else None
+        return sequence_block_hashes(token_ids, self.config.block_size, extra, memo)
 
     # ------------------------------------------------------------- events
 

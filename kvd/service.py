@@ -61,7 +61,10 @@ class KVDaemonService(pb_grpc.KVDaemonServicer):
         if memory is None:
             return pb.DescribeResponse(ready=False)
         return pb.DescribeResponse(
-            ready=True, layout=wire.layout_to_pb(memory.layout, memory.num_blocks), memory=wire.memory_to_pb(memory)
+            ready=True,
+            layout=wire.layout_to_pb(memory.layout, memory.num_blocks),
+            memory=wire.memory_to_pb(memory),
+            cache_id=self.daemon.cache_id,
         )
 
     @_rpc
@@ -79,6 +82,7 @@ class KVDaemonService(pb_grpc.KVDaemonServicer):
             layout=wire.layout_to_pb(memory.layout, memory.num_blocks),
             memory=wire.memory_to_pb(memory),
             heartbeat_interval_s=self.daemon.config.lease_s / 3,
+            cache_id=self.daemon.cache_id,
         )
 
     @_rpc

@@ -81,14 +81,16 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("ready", "layout", "memory")
+    __slots__ = ("ready", "layout", "memory", "cache_id")
     READY_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
+    CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     layout: CacheLayout
     memory: MemoryHandle
-    def __init__(self, ready: _Optional[bool] = ..., layout: _Optional[_Union[CacheLayout, _Mapping]] = ..., memory: _Optional[_Union[MemoryHandle, _Mapping]] = ...) -> None: ...
+    cache_id: str
+    def __init__(self, ready: _Optional[bool] = ..., layout: _Optional[_Union[CacheLayout, _Mapping]] = ..., memory: _Optional[_Union[MemoryHandle, _Mapping]] = ..., cache_id: _Optional[str] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ("client_name", "layout")
@@ -99,16 +101,18 @@ class AttachRequest(_message.Message):
     def __init__(self, client_name: _Optional[str] = ..., layout: _Optional[_Union[CacheLayout, _Mapping]] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("session_id", "layout", "memory", "heartbeat_interval_s")
+    __slots__ = ("session_id", "layout", "memory", "heartbeat_interval_s", "cache_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     layout: CacheLayout
     memory: MemoryHandle
     heartbeat_interval_s: float
-    def __init__(self, session_id: _Optional[str] = ..., layout: _Optional[_Union[CacheLayout, _Mapping]] = ..., memory: _Optional[_Union[MemoryHandle, _Mapping]] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+    cache_id: str
+    def __init__(self, session_id: _Optional[str] = ..., layout: _Optional[_Union[CacheLayout, _Mapping]] = ..., memory: _Optional[_Union[MemoryHandle, _Mapping]] = ..., heartbeat_interval_s: _Optional[float] = ..., cache_id: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("session_id",)

@@ -135,25 +135,41 @@ class TokenizeResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WarmRequest(_message.Message):
-    __slots__ = ("token_ids", "cache_salt")
+    __slots__ = ("token_ids", "cache_salt", "pin_id")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     cache_salt: bytes
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
+    pin_id: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[bytes] = ..., pin_id: _Optional[str] = ...) -> None: ...
 
 class WarmResponse(_message.Message):
-    __slots__ = ("cached_tokens",)
+    __slots__ = ("cached_tokens", "pinned_tokens")
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     cached_tokens: int
-    def __init__(self, cached_tokens: _Optional[int] = ...) -> None: ...
+    pinned_tokens: int
+    def __init__(self, cached_tokens: _Optional[int] = ..., pinned_tokens: _Optional[int] = ...) -> None: ...
+
+class UnpinRequest(_message.Message):
+    __slots__ = ("pin_id",)
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    pin_id: str
+    def __init__(self, pin_id: _Optional[str] = ...) -> None: ...
+
+class UnpinResponse(_message.Message):
+    __slots__ = ("unpinned_blocks",)
+    UNPINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    unpinned_blocks: int
+    def __init__(self, unpinned_blocks: _Optional[int] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "dtype", "block_size", "max_context", "attention_backend", "vocab_size", "eos_token_ids", "device")
+    __slots__ = ("model", "dtype", "block_size", "max_context", "attention_backend", "vocab_size", "eos_token_ids", "device", "cache_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +178,7 @@ class InfoResponse(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     block_size: int
@@ -170,4 +187,5 @@ class InfoResponse(_message.Message):
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     device: str
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_context: _Optional[int] = ..., attention_backend: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ...) -> None: ...
+    cache_id: str
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_context: _Optional[int] = ..., attention_backend: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., cache_id: _Optional[str] = ...) -> None: ...

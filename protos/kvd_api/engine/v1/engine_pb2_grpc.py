@@ -49,6 +49,11 @@ class EngineStub:
                 request_serializer=kvd__api_dot_engine_dot_v1_dot_engine__pb2.WarmRequest.SerializeToString,
                 response_deserializer=kvd__api_dot_engine_dot_v1_dot_engine__pb2.WarmResponse.FromString,
                 _registered_method=True)
+        self.Unpin = channel.unary_unary(
+                '/kvd.engine.v1.Engine/Unpin',
+                request_serializer=kvd__api_dot_engine_dot_v1_dot_engine__pb2.UnpinRequest.SerializeToString,
+                response_deserializer=kvd__api_dot_engine_dot_v1_dot_engine__pb2.UnpinResponse.FromString,
+                _registered_method=True)
         self.Info = channel.unary_unary(
                 '/kvd.engine.v1.Engine/Info',
                 request_serializer=kvd__api_dot_engine_dot_v1_dot_engine__pb2.InfoRequest.SerializeToString,
@@ -75,7 +80,15 @@ class EngineServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Warm(self, request, context):
-        """Prefills a token prefix so its full blocks are cached (templates).
+        """Prefills a token prefix so its full blocks are cached (templates), and
+        pins them in the daemon when a pin id is given.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Unpin(self, request, context):
+        """Releases a pin taken by Warm. NOT_FOUND when the daemon has no such pin.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -104,6 +117,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Warm,
                     request_deserializer=kvd__api_dot_engine_dot_v1_dot_engine__pb2.WarmRequest.FromString,
                     response_serializer=kvd__api_dot_engine_dot_v1_dot_engine__pb2.WarmResponse.SerializeToString,
+            ),
+            'Unpin': grpc.unary_unary_rpc_method_handler(
+                    servicer.Unpin,
+                    request_deserializer=kvd__api_dot_engine_dot_v1_dot_engine__pb2.UnpinRequest.FromString,
+                    response_serializer=kvd__api_dot_engine_dot_v1_dot_engine__pb2.UnpinResponse.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
@@ -192,6 +210,33 @@ class Engine:
             '/kvd.engine.v1.Engine/Warm',
             kvd__api_dot_engine_dot_v1_dot_engine__pb2.WarmRequest.SerializeToString,
             kvd__api_dot_engine_dot_v1_dot_engine__pb2.WarmResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Unpin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.engine.v1.Engine/Unpin',
+            kvd__api_dot_engine_dot_v1_dot_engine__pb2.UnpinRequest.SerializeToString,
+            kvd__api_dot_engine_dot_v1_dot_engine__pb2.UnpinResponse.FromString,
             options,
             channel_credentials,
             insecure,
