@@ -29,7 +29,7 @@ test: setup
 
 lint: setup
 	$(BIN)/ruff check .
-	$(BIN)/ruff format --check kvd tests benchmarks
+	$(BIN)/ruff format --check kvd inference gateway tests benchmarks
 
 # Regenerates the Python package under protos/ from the .proto sources.
 protos: setup

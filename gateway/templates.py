@@ -1,12 +1,17 @@
 """Named prefix templates, kept in Redis, one namespace per tenant.
 
-Key schema (``{t}`` is the tenant, ``{n}`` the template name)::
+Key schema (``kvd:`` is the configurable prefix, ``{t}`` the tenant, ``{n}``
+the template name)::
 
     kvd:tpl:{t}:{n}     hash   content, token_ids (uint32 LE bytes), description,
                                create_time, cached_tokens; Redis expiry = the TTL
     kvd:tpl-index:{t}   zset   every name of the tenant (score 0), for listing
                                in name order; entries whose hash expired are
                                dropped lazily as listings meet them
+    kvd:tpl-warm        set    "{t}/{n}" of every template whose blocks are
+                               (to be) pinned on the engines; a member whose
+                               hash is gone (expired, deleted) is unpinned and
+                               removed by the gateway's sweep
 
 A template's tokens are computed once (by the engine's tokenizer) when it is
 created; its content never changes (a new content is a new name).
@@ -67,16 +72,19 @@ class TemplateStore:
     Every method raises ``StoreUnavailable`` when Redis cannot be reached.
     """
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis, prefix: str = "kvd:") -> None:
         self.redis = client
+        self.prefix = prefix
 
-    @staticmethod
-    def _key(tenant: str, name: str) -> str:
-        return f"kvd:tpl:{tenant}:{name}"
+    def _key(self, tenant: str, name: str) -> str:
+        return f"{self.prefix}tpl:{tenant}:{name}"
 
-    @staticmethod
-    def _index(tenant: str) -> str:
-        return f"kvd:tpl-index:{tenant}"
+    def _index(self, tenant: str) -> str:
+        return f"{self.prefix}tpl-index:{tenant}"
+
+    @property
+    def _warm(self) -> str:
+        return f"{self.prefix}tpl-warm"
 
     def create(
         self, tenant: str, name: str, content: str, token_ids: Sequence[int], ttl_seconds: int, description: str
@@ -180,8 +188,44 @@ class TemplateStore:
         with self._redis() as r:
             return bool(r.exists(self._key(tenant, name)))
 
+    def ping(self) -> None:
+        with self._redis() as r:
+            r.ping()
+
+    # ------------------------------------------------- templates kept warm
+
+    def mark_warm(self, tenant: str, name: str) -> None:
+        """Records that the template's blocks are pinned on the engines."""
+        with self._redis() as r:
+            r.sadd(self._warm, warm_member(tenant, name))
+
+    def warm_members(self) -> list[str]:
+        with self._redis() as r:
+            return sorted(m.decode() for m in r.smembers(self._warm))
+
+    def unmark_warm(self, member: str) -> None:
+        with self._redis() as r:
+            r.srem(self._warm, member)
+
+    def live(self, members: Sequence[str]) -> list[bool]:
+        """For each warm-set member, whether its template still exists."""
+        with self._redis() as r:
+            pipe = r.pipeline()
+            for member in members:
+                pipe.exists(self._key(*split_warm_member(member)))
+            return [bool(n) for n in pipe.execute()]
+
     def _redis(self):
         return _Guard(self.redis)
+
+
+def warm_member(tenant: str, name: str) -> str:
+    return f"{tenant}/{name}"
+
+
+def split_warm_member(member: str) -> tuple[str, str]:
+    tenant, _, name = member.rpartition("/")
+    return tenant, name
 
 
 class _Guard:

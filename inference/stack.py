@@ -1,7 +1,6 @@
 """`kvd-serve`: the whole stack on its defaults, as child processes.
 
-Starts the daemon and the engine (the gateway joins them once it exists),
-prints where to reach them, stops all of them on Ctrl-C, and if one dies,
+Starts the daemon, the engine and the gateway, prints where to reach them, stops all of them on Ctrl-C, and if one dies,
 stops the others with a message naming it. Each child keeps its own flags and
 environment variables; this only supervises.
 """
@@ -24,6 +23,7 @@ def _children(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     return [
         ("kvd", [python, "-m", "kvd.cli", "--socket", socket_path]),
         ("engine", [python, "-m", "inference.cli", "--kvd-address", f"unix:{socket_path}", "--listen", args.engine]),
+        ("gateway", [python, "-m", "gateway.cli", "--listen", args.gateway, "--engine", args.engine]),
     ]
 
 
@@ -33,6 +33,11 @@ def main(argv: list[str] | None = None) -> int:
         "--engine",
         default=os.environ.get("KVD_ENGINE_ADDR", "127.0.0.1:50052"),
         help="engine address (KVD_ENGINE_ADDR)",
+    )
+    parser.add_argument(
+        "--gateway",
+        default=os.environ.get("KVD_GATEWAY_ADDR", "127.0.0.1:50051"),
+        help="the public gateway's address (KVD_GATEWAY_ADDR)",
     )
     args = parser.parse_args(argv)
     procs: dict[str, subprocess.Popen] = {}
@@ -46,7 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, stop)
     for name, cmd in _children(args):
         procs[name] = subprocess.Popen(cmd)
-    print(f"kvd-serve: engine on {args.engine} (gRPC); Ctrl-C stops everything", flush=True)
+    print(
+        f"kvd-serve: gateway on {args.gateway} (gRPC, the public API); engine on {args.engine}; "
+        "Ctrl-C stops everything",
+        flush=True,
+    )
     code = 0
     while not stopping:
         for name, proc in procs.items():
@@ -60,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _stop_all(procs: dict[str, subprocess.Popen]) -> None:
-    # The engine first, then the daemon it is attached to.
+    # The gateway first, then the engine, then the daemon it is attached to.
     for proc in reversed(list(procs.values())):
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)

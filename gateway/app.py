@@ -1,0 +1,119 @@
+"""Wires one gateway process: Redis, the engine link, keys, the keeper, the server."""
+
+from __future__ import annotations
+
+import logging
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from gateway import redis_conn
+from gateway.auth import Authenticator, FileKeys, KeyStore, RedisKeys
+from gateway.engine_link import EngineLink
+from gateway.keeper import TemplateKeeper
+from gateway.service import GatewayService
+from gateway.templates import TemplateStore
+from kvd_api.gateway.v1 import gateway_pb2 as pb
+from kvd_api.gateway.v1 import gateway_pb2_grpc as pb_grpc
+
+log = logging.getLogger("gateway.app")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Gateway"].full_name
+
+
+def default_data_dir() -> Path:
+    return Path.home() / ".local" / "share" / "kvd"
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    """Everything one gateway process is configured with (the CLI fills it).
+
+    Attributes:
+        api_keys: "" (single-user mode), "redis", or a JSON keys file.
+        keeper_interval_s: how often templates are re-checked: expired ones
+            unpinned, all re-warmed when the engine's cache is new.
+    """
+
+    listen: str = "127.0.0.1:50051"
+    engine: str = "127.0.0.1:50052"
+    redis_url: str = ""
+    data_dir: Path | None = None
+    redis_prefix: str = "kvd:"
+    api_keys: str = ""
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    keeper_interval_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("TLS needs both --tls-cert and --tls-key")
+        if self.keeper_interval_s <= 0:
+            raise ValueError(f"keeper_interval_s must be > 0, got {self.keeper_interval_s}")
+
+
+class GatewayApp:
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self.redis = redis_conn.connect(settings.redis_url, settings.data_dir or default_data_dir())
+        self.store = TemplateStore(self.redis, settings.redis_prefix)
+        self.engine = EngineLink(settings.engine)
+        self.auth = Authenticator(self._key_store())
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="gateway-rpc"))
+        self.health = health.HealthServicer()
+        self.keeper = TemplateKeeper(
+            self.store, self.engine, settings.keeper_interval_s, on_engine_health=self._engine_health
+        )
+        pb_grpc.add_GatewayServicer_to_server(
+            GatewayService(self.store, self.engine, self.keeper, self.auth), self.server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self.server,
+        )
+        self.port = self._add_port()
+        self._engine_health(False)
+
+    def _key_store(self) -> KeyStore | None:
+        keys = self.settings.api_keys
+        if not keys:
+            return None
+        if keys == "redis":
+            return RedisKeys(self.redis, self.settings.redis_prefix)
+        return FileKeys(Path(keys))
+
+    def _add_port(self) -> int:
+        s = self.settings
+        if s.tls_cert is None or s.tls_key is None:
+            return self.server.add_insecure_port(s.listen)
+        credentials = grpc.ssl_server_credentials([(s.tls_key.read_bytes(), s.tls_cert.read_bytes())])
+        return self.server.add_secure_port(s.listen, credentials)
+
+    def _engine_health(self, up: bool) -> None:
+        # The gateway serves (templates, info) only with an engine behind it.
+        status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, status)
+
+    def start(self) -> None:
+        self.server.start()
+        self.keeper.start()
+        s = self.settings
+        log.info(
+            "gateway serving",
+            extra={"listen": s.listen, "engine": s.engine, "redis": redis_conn.describe(self.redis),
+                   "tls": s.tls_cert is not None},
+        )  # fmt: skip
+        if self.auth.single_user:
+            log.warning("single-user mode: no API keys are checked; every call is the tenant 'default'")
+
+    def stop(self) -> None:
+        self._engine_health(False)
+        self.keeper.stop()
+        self.server.stop(grace=2).wait()
+        self.engine.close()

@@ -1,0 +1,150 @@
+"""API keys: who is calling (the tenant) and what they may do (scopes).
+
+Keys travel in the gRPC metadata as ``authorization: Bearer <key>``. Only
+their SHA-256 is kept, in one of two stores:
+
+- a JSON file (``--api-keys FILE``)::
+
+      {"keys": [{"key_sha256": "9f86d0...", "tenant": "acme",
+                 "scopes": ["generate", "templates:write"]},
+                {"key": "dev-secret", "tenant": "dev", "scopes": ["generate"]}]}
+
+  (``key`` in clear is accepted for development; it is hashed on load);
+- Redis (``--api-keys redis``): a hash ``{prefix}apikey:{sha256 hex}`` with the
+  fields ``tenant`` and ``scopes`` (comma-separated); ``kvd-gateway add-key``
+  writes one.
+
+Without a store the gateway runs in single-user mode: every call is the
+tenant ``default`` with every scope.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import grpc
+import redis
+
+SCOPE_GENERATE = "generate"
+SCOPE_TEMPLATES_WRITE = "templates:write"
+SCOPES = frozenset({SCOPE_GENERATE, SCOPE_TEMPLATES_WRITE})
+DEFAULT_TENANT = "default"
+TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class Principal:
+    tenant: str
+    scopes: frozenset[str]
+
+
+def make_principal(tenant: str, scopes: list[str] | tuple[str, ...]) -> Principal:
+    """Raises ``ValueError`` for a bad tenant name or an unknown scope."""
+    if not TENANT.match(tenant):
+        raise ValueError(f"tenant {tenant!r} is not allowed: use [A-Za-z0-9][A-Za-z0-9._-]{{0,63}}")
+    unknown = set(scopes) - SCOPES
+    if unknown:
+        raise ValueError(f"unknown scopes {sorted(unknown)}; known: {sorted(SCOPES)}")
+    return Principal(tenant, frozenset(scopes))
+
+
+def key_digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class KeyStore(Protocol):
+    def lookup(self, digest: str) -> Principal | None: ...
+
+
+class FileKeys:
+    """Keys from a JSON file, read once at start."""
+
+    def __init__(self, path: Path) -> None:
+        try:
+            entries = json.loads(path.read_text())["keys"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"cannot read API keys from {path}: {exc}") from exc
+        self.principals: dict[str, Principal] = {}
+        for i, entry in enumerate(entries):
+            try:
+                digest = entry.get("key_sha256") or key_digest(entry["key"])
+                self.principals[digest.lower()] = make_principal(entry["tenant"], entry.get("scopes", []))
+            except (KeyError, ValueError, AttributeError) as exc:
+                raise ValueError(f"{path}: key entry {i} is invalid: {exc}") from exc
+
+    def lookup(self, digest: str) -> Principal | None:
+        return self.principals.get(digest)
+
+
+class RedisKeys:
+    """Keys in Redis, looked up per call (so adding or revoking one needs no restart)."""
+
+    def __init__(self, client: redis.Redis, prefix: str = "kvd:") -> None:
+        self.redis = client
+        self.prefix = prefix
+
+    def _key(self, digest: str) -> str:
+        return f"{self.prefix}apikey:{digest}"
+
+    def lookup(self, digest: str) -> Principal | None:
+        fields = self.redis.hgetall(self._key(digest))
+        if not fields:
+            return None
+        scopes = [s for s in fields.get(b"scopes", b"").decode().split(",") if s]
+        return make_principal(fields[b"tenant"].decode(), scopes)
+
+    def add(self, key: str, tenant: str, scopes: list[str]) -> None:
+        make_principal(tenant, scopes)  # validates
+        self.redis.hset(self._key(key_digest(key)), mapping={"tenant": tenant, "scopes": ",".join(scopes)})
+
+    def revoke(self, key: str) -> bool:
+        return bool(self.redis.delete(self._key(key_digest(key))))
+
+
+class Authenticator:
+    """Checks a call's key and scope; ``keys=None`` is single-user mode."""
+
+    def __init__(self, keys: KeyStore | None) -> None:
+        self.keys = keys
+
+    @property
+    def single_user(self) -> bool:
+        return self.keys is None
+
+    def authorize(self, context: grpc.ServicerContext, scope: str | None) -> Principal:
+        """The caller, or aborts: UNAUTHENTICATED without a known key,
+        PERMISSION_DENIED without ``scope`` (None: any valid key will do)."""
+        if self.keys is None:
+            return Principal(DEFAULT_TENANT, SCOPES)
+        key = _bearer(context)
+        if key is None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing API key: send 'authorization: Bearer <key>'")
+        try:
+            principal = self.keys.lookup(key_digest(key))
+        except (redis.ConnectionError, redis.TimeoutError):
+            context.abort(grpc.StatusCode.UNAVAILABLE, "Redis is unreachable: cannot check the API key")
+        if principal is None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "unknown API key")
+        if scope is not None and scope not in principal.scopes:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"this API key lacks the scope {scope!r}")
+        return principal
+
+
+def _bearer(context: grpc.ServicerContext) -> str | None:
+    for name, value in context.invocation_metadata():
+        if name == "authorization" and isinstance(value, str):
+            scheme, _, token = value.partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip()
+    return None
+
+
+def tenant_salt(tenant: str, request_salt: bytes = b"") -> bytes:
+    """The cache salt of a tenant's requests: no tenant ever hits another's
+    blocks; a request's own salt isolates it further within its tenant."""
+    return hashlib.sha256(b"kvd-tenant\0" + tenant.encode() + b"\0" + request_salt).digest()

@@ -1,0 +1,136 @@
+"""`kvd-gateway`: runs the public gRPC gateway (and manages its API keys).
+
+    kvd-gateway [flags]                       serve
+    kvd-gateway add-key --tenant T --scopes generate,templates:write
+                                              make a key, store it in Redis, print it
+
+Every flag can also be set by an environment variable (for containers); the
+variables are read here, once, and nowhere deeper.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from kvd import logs
+
+log = logging.getLogger("gateway")
+
+
+def _env(name: str, default):
+    return os.environ.get(name, default)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--redis-url",
+        default=_env("KVD_REDIS_URL", ""),
+        help="redis://HOST:PORT/DB; empty: an embedded Redis in --data-dir (KVD_REDIS_URL)",
+    )
+    p.add_argument(
+        "--data-dir",
+        default=_env("KVD_DATA_DIR", ""),
+        help="where the embedded Redis keeps its files; default ~/.local/share/kvd (KVD_DATA_DIR)",
+    )
+    p.add_argument(
+        "--redis-prefix", default=_env("KVD_REDIS_PREFIX", "kvd:"), help="prefix of every Redis key (KVD_REDIS_PREFIX)"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvd-gateway",
+        description="The public gRPC API of kvd: generation and named prefix templates in Redis.",
+        epilog="Each flag's environment variable is named in its help; a flag given on the command line wins.",
+    )
+    p.add_argument("--listen", default=_env("KVD_GATEWAY_ADDR", "127.0.0.1:50051"), help="(KVD_GATEWAY_ADDR)")
+    p.add_argument(
+        "--engine", default=_env("KVD_ENGINE_ADDR", "127.0.0.1:50052"), help="engine HOST:PORT (KVD_ENGINE_ADDR)"
+    )
+    _common(p)
+    p.add_argument(
+        "--api-keys",
+        default=_env("KVD_API_KEYS", ""),
+        help="a JSON keys file, or 'redis'; empty: single-user mode, no keys (KVD_API_KEYS)",
+    )
+    p.add_argument("--tls-cert", default=_env("KVD_TLS_CERT", ""), help="PEM certificate chain (KVD_TLS_CERT)")
+    p.add_argument("--tls-key", default=_env("KVD_TLS_KEY", ""), help="PEM private key (KVD_TLS_KEY)")
+    p.add_argument(
+        "--keeper-interval-s",
+        type=float,
+        default=float(_env("KVD_KEEPER_INTERVAL_S", 1.0)),
+        help="how often expired templates are unpinned and a new engine cache re-warmed (KVD_KEEPER_INTERVAL_S)",
+    )
+    p.add_argument("--log-level", default=_env("KVD_LOG_LEVEL", "info"), help="(KVD_LOG_LEVEL)")
+    return p
+
+
+def build_key_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvd-gateway add-key", description="Creates an API key kept in Redis.")
+    _common(p)
+    p.add_argument("--tenant", required=True)
+    p.add_argument("--scopes", default="generate,templates:write", help="comma-separated")
+    return p
+
+
+def add_key(argv: list[str]) -> int:
+    from gateway import redis_conn
+    from gateway.app import default_data_dir
+    from gateway.auth import RedisKeys
+
+    args = build_key_parser().parse_args(argv)
+    client = redis_conn.connect(args.redis_url, Path(args.data_dir) if args.data_dir else default_data_dir())
+    key = "kvd-" + secrets.token_urlsafe(24)
+    try:
+        RedisKeys(client, args.redis_prefix).add(key, args.tenant, [s for s in args.scopes.split(",") if s])
+    except ValueError as exc:
+        print(f"kvd-gateway: {exc}", file=sys.stderr)
+        return 2
+    print(key)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["add-key"]:
+        return add_key(argv[1:])
+    args = build_parser().parse_args(argv)
+    logs.configure(args.log_level)
+    from gateway.app import GatewayApp, GatewaySettings
+
+    try:
+        settings = GatewaySettings(
+            listen=args.listen,
+            engine=args.engine,
+            redis_url=args.redis_url,
+            data_dir=Path(args.data_dir) if args.data_dir else None,
+            redis_prefix=args.redis_prefix,
+            api_keys=args.api_keys,
+            tls_cert=Path(args.tls_cert) if args.tls_cert else None,
+            tls_key=Path(args.tls_key) if args.tls_key else None,
+            keeper_interval_s=args.keeper_interval_s,
+        )
+        app = GatewayApp(settings)
+    except (ValueError, OSError) as exc:
+        print(f"kvd-gateway: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    app.start()
+    while not stop.wait(0.5):
+        pass
+    log.info("gateway stopping")
+    app.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""The gateway's connection to an engine, and how engine errors reach clients."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+
+from kvd_api.engine.v1 import engine_pb2 as epb
+from kvd_api.engine.v1 import engine_pb2_grpc as epb_grpc
+
+# Engine statuses a client can act on as they are; any other engine failure
+# means the engine could not serve the call.
+_PASSED_ON = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.UNAVAILABLE,
+    }
+)
+
+
+class EngineLink:
+    """One engine: its stub, and its model info once it answered.
+
+    Args:
+        address: ``HOST:PORT`` of the engine's gRPC server.
+        rpc_timeout_s: the limit on unary calls (Tokenize, Info, Unpin);
+            Warm and Generate get the caller's deadline.
+    """
+
+    def __init__(self, address: str, rpc_timeout_s: float = 10.0) -> None:
+        self.address = address
+        self.rpc_timeout_s = rpc_timeout_s
+        self.channel = grpc.insecure_channel(address)
+        self.stub = epb_grpc.EngineStub(self.channel)
+        self._info: epb.InfoResponse | None = None
+        self._lock = threading.Lock()
+
+    def info(self, timeout_s: float | None = None) -> epb.InfoResponse:
+        """Asks the engine (raises grpc.RpcError) and remembers the answer."""
+        info = self.stub.Info(epb.InfoRequest(), timeout=timeout_s or self.rpc_timeout_s)
+        with self._lock:
+            self._info = info
+        return info
+
+    def model_info(self) -> epb.InfoResponse:
+        """The last answer, or a fresh one when there is none yet."""
+        with self._lock:
+            known = self._info
+        return known if known is not None and known.block_size else self.info()
+
+    def tokenize(self, request: epb.TokenizeRequest) -> list[int]:
+        return list(self.stub.Tokenize(request, timeout=self.rpc_timeout_s).token_ids)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def error(self, err: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
+        """The status and message a client gets for an engine's error."""
+        code = err.code()
+        if code == grpc.StatusCode.UNAVAILABLE:
+            return code, f"the engine at {self.address} is unavailable: {err.details()}"
+        if code in _PASSED_ON:
+            return code, err.details() or code.name
+        return grpc.StatusCode.UNAVAILABLE, f"the engine at {self.address} failed: {code.name}: {err.details()}"

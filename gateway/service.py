@@ -1,0 +1,251 @@
+"""The public gRPC API: generation through the engine, templates in Redis.
+
+A templated request's prompt is the template's token ids followed by the
+prompt's own (tokenized separately, so the template's cached blocks are
+reused exactly). Every request carries its tenant's cache salt.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterator
+
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from gateway.auth import SCOPE_GENERATE, SCOPE_TEMPLATES_WRITE, Authenticator, tenant_salt
+from gateway.engine_link import EngineLink
+from gateway.keeper import TemplateKeeper
+from gateway.templates import (
+    StoreUnavailable,
+    Template,
+    TemplateExists,
+    TemplateNotFound,
+    TemplateStore,
+    check_name,
+    check_ttl,
+)
+from kvd_api.engine.v1 import engine_pb2 as epb
+from kvd_api.gateway.v1 import gateway_pb2 as pb
+from kvd_api.gateway.v1 import gateway_pb2_grpc as pb_grpc
+
+log = logging.getLogger("gateway.service")
+
+VERSION = "0.1.0"
+
+_STATUS_BY_ERROR: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
+    (TemplateNotFound, grpc.StatusCode.NOT_FOUND),
+    (TemplateExists, grpc.StatusCode.ALREADY_EXISTS),
+    (StoreUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+)
+
+
+def _unary(method):
+    """Maps store and argument errors, and engine errors, to gRPC statuses."""
+
+    @functools.wraps(method)
+    def wrapper(self: GatewayService, request, context):
+        try:
+            return method(self, request, context)
+        except grpc.RpcError as err:  # from the engine
+            context.abort(*self.engine.error(err))
+        except tuple(e for e, _ in _STATUS_BY_ERROR) as exc:
+            context.abort(next(c for e, c in _STATUS_BY_ERROR if isinstance(exc, e)), str(exc))
+
+    return wrapper
+
+
+class GatewayService(pb_grpc.GatewayServicer):
+    def __init__(self, store: TemplateStore, engine: EngineLink, keeper: TemplateKeeper, auth: Authenticator) -> None:
+        self.store = store
+        self.engine = engine
+        self.keeper = keeper
+        self.auth = auth
+
+    # --------------------------------------------------------- generation
+
+    def Generate(self, request, context):
+        principal = self.auth.authorize(context, SCOPE_GENERATE)
+        engine_request, template_tokens = self._engine_request(principal.tenant, request, context)
+        yield from self._relay(engine_request, template_tokens, context)
+
+    def Complete(self, request, context):
+        principal = self.auth.authorize(context, SCOPE_GENERATE)
+        engine_request, template_tokens = self._engine_request(principal.tenant, request, context)
+        whole = pb.GenerateResponse()
+        for message in self._relay(engine_request, template_tokens, context):
+            whole.token_ids.extend(message.token_ids)
+            whole.text += message.text
+            whole.logprobs.extend(message.logprobs)
+            if message.HasField("usage"):
+                whole.finish_reason = message.finish_reason
+                whole.usage.CopyFrom(message.usage)
+        return whole
+
+    def _engine_request(self, tenant: str, request, context) -> tuple[epb.GenerateRequest, int]:
+        """The engine's request (template tokens first), and how many template tokens it has."""
+        out = epb.GenerateRequest(cache_salt=tenant_salt(tenant, request.cache_salt))
+        out.sampling.CopyFrom(request.sampling)
+        kind = request.WhichOneof("prompt")
+        if not request.template:
+            if kind == "text":
+                out.text = request.text
+            elif kind == "chat":
+                out.chat.CopyFrom(request.chat)
+            elif kind == "token_ids":
+                out.token_ids.CopyFrom(request.token_ids)
+            else:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: give text, chat messages or token ids")
+            return out, 0
+        try:
+            template = self.store.get(tenant, request.template)
+            prompt = self._prompt_ids(request, kind)
+        except TemplateNotFound as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except StoreUnavailable as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except grpc.RpcError as err:
+            context.abort(*self.engine.error(err))
+        out.token_ids.ids.extend(template.token_ids + prompt)
+        return out, len(template.token_ids)
+
+    def _prompt_ids(self, request, kind: str | None) -> list[int]:
+        """The prompt's own tokens (may be empty: the template alone is a prompt)."""
+        if kind == "token_ids":
+            return list(request.token_ids.ids)
+        if kind == "chat":
+            return self.engine.tokenize(epb.TokenizeRequest(chat=request.chat))
+        if kind == "text" and request.text:
+            return self.engine.tokenize(epb.TokenizeRequest(text=request.text))
+        return []
+
+    def _relay(self, engine_request: epb.GenerateRequest, template_tokens: int, context) -> Iterator:
+        call = self.engine.stub.Generate(engine_request, timeout=context.time_remaining())
+        # A client that cancels (or whose deadline passes) cancels the engine's
+        # request, which frees its blocks.
+        context.add_callback(call.cancel)
+        try:
+            for message in call:
+                yield _response(message, template_tokens)
+        except grpc.RpcError as err:
+            if context.is_active():
+                context.abort(*self.engine.error(err))
+
+    # ----------------------------------------------------------- templates
+
+    @_unary
+    def CreateTemplate(self, request, context):
+        tenant = self.auth.authorize(context, SCOPE_TEMPLATES_WRITE).tenant
+        check_name(request.name)
+        check_ttl(request.ttl_seconds)
+        if not request.content:
+            raise ValueError("content must not be empty")
+        token_ids = self.engine.tokenize(epb.TokenizeRequest(text=request.content))
+        max_context = self.engine.model_info().max_context
+        if len(token_ids) >= max_context:
+            raise ValueError(
+                f"content is {len(token_ids)} tokens; the model's context of {max_context} tokens "
+                "leaves no room for a prompt"
+            )
+        template = self.store.create(
+            tenant, request.name, request.content, token_ids, request.ttl_seconds, request.description
+        )
+        try:
+            self.keeper.warm(template, timeout_s=context.time_remaining())
+        except grpc.RpcError:
+            # Not usable as promised: the name stays free for another try.
+            self.store.delete(tenant, request.name)
+            raise
+        log.info("template created", extra={"tenant": tenant, "template": request.name, "tokens": len(token_ids)})
+        return _template_pb(self.store.get(tenant, request.name), with_content=True)
+
+    @_unary
+    def GetTemplate(self, request, context):
+        tenant = self.auth.authorize(context, None).tenant
+        return _template_pb(self.store.get(tenant, request.name), with_content=True)
+
+    @_unary
+    def ListTemplates(self, request, context):
+        tenant = self.auth.authorize(context, None).tenant
+        templates, next_token = self.store.list(tenant, request.page_size, request.page_token)
+        return pb.ListTemplatesResponse(
+            templates=[_template_pb(t, with_content=False) for t in templates], next_page_token=next_token
+        )
+
+    @_unary
+    def UpdateTemplate(self, request, context):
+        tenant = self.auth.authorize(context, SCOPE_TEMPLATES_WRITE).tenant
+        ttl = request.ttl_seconds if request.HasField("ttl_seconds") else None
+        description = request.description if request.HasField("description") else None
+        return _template_pb(self.store.update(tenant, request.name, ttl, description), with_content=True)
+
+    @_unary
+    def DeleteTemplate(self, request, context):
+        tenant = self.auth.authorize(context, SCOPE_TEMPLATES_WRITE).tenant
+        self.store.delete(tenant, request.name)
+        self.keeper.release(tenant, request.name)  # or the keeper's sweep, if the engine is down
+        log.info("template deleted", extra={"tenant": tenant, "template": request.name})
+        return pb.DeleteTemplateResponse()
+
+    # ---------------------------------------------------------------- info
+
+    @_unary
+    def Info(self, request, context):
+        tenant = self.auth.authorize(context, None).tenant
+        info = self.engine.model_info()
+        try:
+            templates = self.store.count(tenant)
+        except StoreUnavailable:
+            templates = 0  # Info stays useful while Redis is down
+        return pb.InfoResponse(
+            model=info.model,
+            block_size=info.block_size,
+            max_context=info.max_context,
+            templates=templates,
+            version=VERSION,
+        )
+
+
+def _response(message: epb.GenerateResponse, template_tokens: int) -> pb.GenerateResponse:
+    out = pb.GenerateResponse(
+        token_ids=message.token_ids,
+        text=message.text,
+        logprobs=message.logprobs,
+        finish_reason=message.finish_reason,
+    )
+    if message.HasField("usage"):
+        u = message.usage
+        out.usage.CopyFrom(
+            pb.Usage(
+                prompt_tokens=u.prompt_tokens,
+                template_tokens=template_tokens,
+                cached_prompt_tokens=u.cached_prompt_tokens,
+                completion_tokens=u.completion_tokens,
+                time_to_first_token_s=u.time_to_first_token_s,
+            )
+        )
+    return out
+
+
+def _template_pb(t: Template, with_content: bool) -> pb.Template:
+    out = pb.Template(
+        name=t.name,
+        description=t.description,
+        token_count=len(t.token_ids),
+        cached_token_count=t.cached_tokens,
+        content=t.content if with_content else "",
+    )
+    out.create_time.CopyFrom(_timestamp(t.create_time))
+    if t.expire_time is not None:
+        out.expire_time.CopyFrom(_timestamp(t.expire_time))
+    return out
+
+
+def _timestamp(seconds: float) -> Timestamp:
+    stamp = Timestamp()
+    stamp.FromNanoseconds(int(seconds * 1e9))
+    return stamp
