@@ -244,6 +244,32 @@ def test_keys_and_scopes(gateway):
         assert reader.info().block_size == BLOCK
 
 
+def test_keys_kept_in_redis(replica, folder):
+    prefix = f"kvd-test-{secrets.token_hex(4)}:"
+    redis_args = ["--redis-url", "redis://127.0.0.1:6379/0", "--redis-prefix", prefix]
+    add_key = [sys.executable, "-m", "gateway.cli", "add-key", *redis_args, "--tenant", "initech"]
+    writer = subprocess.run(add_key, capture_output=True, text=True, check=True).stdout.strip()
+    reader = subprocess.run([*add_key, "--scopes", "generate"], capture_output=True, text=True, check=True)
+    gw = start_gateway(replica.address, [*redis_args, "--api-keys", "redis"], folder)
+    try:
+        with GatewayClient(gw.address, api_key=writer) as client:
+            client.create_template("initech-bot", "You work at Initech.")
+            client.delete_template("initech-bot")
+        with GatewayClient(gw.address, api_key=reader.stdout.strip()) as client:
+            code = status_of(lambda: client.create_template("initech-bot", "x"))[0]
+            assert code == grpc.StatusCode.PERMISSION_DENIED
+        with GatewayClient(gw.address, api_key="kvd-not-a-key") as client:
+            assert status_of(client.info)[0] == grpc.StatusCode.UNAUTHENTICATED
+        # Only the keys' hashes are stored.
+        stored = [k.decode() for k in redis.Redis(host="127.0.0.1", port=6379).scan_iter(f"{prefix}apikey:*")]
+        assert len(stored) == 2 and all(writer not in k for k in stored)
+    finally:
+        gw.stop()
+        server = redis.Redis(host="127.0.0.1", port=6379)
+        for key in server.scan_iter(f"{prefix}*"):
+            server.delete(key)
+
+
 def test_health_and_reflection(gateway):
     with grpc.insecure_channel(gateway.address) as channel:
         for service in ("", "kvd.gateway.v1.Gateway"):
@@ -423,7 +449,8 @@ def test_make_serve_stack_starts_three_processes_and_stops_them(workdir, model_d
     finally:
         if stack.poll() is None:
             stack.kill()
-    assert "gateway on 127.0.0.1" in Path(f"{workdir}/serve.log").read_text()
+    log = Path(f"{workdir}/serve.log").read_text()
+    assert "gateway on 127.0.0.1" in log and "single-user mode" in log
 
 
 def test_concurrent_templated_requests(acme):
