@@ -288,3 +288,115 @@ class KvdProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+# ---------------------------------------------------------------- engine
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(address: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    """Waits until ``address`` answers the gRPC health check with SERVING.
+
+    Raises:
+        RuntimeError: ``proc`` exited first.
+        TimeoutError: not serving within ``timeout_s``.
+    """
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    serving = health_pb2.HealthCheckResponse.SERVING
+    deadline = time.perf_counter() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.perf_counter() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"exited with {proc.returncode} before serving")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == serving:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+    raise TimeoutError(f"{address} not serving after {timeout_s}s")
+
+
+class EngineProcess:
+    """A ``kvd-engine`` subprocess (``python -m inference.cli``) on a TCP port of 127.0.0.1.
+
+    Use as a context manager; the engine gets SIGTERM on exit (SIGKILL if it
+    lingers). Its log goes to ``workdir/NAME.log``. ``start`` returns once the
+    engine's health check says SERVING (it has loaded its model and attached
+    to the daemon).
+
+    Args:
+        workdir: folder for the log.
+        kvd_address: the daemon (``unix:PATH``).
+        args: further flags (``--model``, ``--no-prefix-caching``, ...).
+        name: names the log file.
+        ready_timeout_s: how long to wait for SERVING.
+    """
+
+    def __init__(
+        self,
+        workdir: str | os.PathLike,
+        kvd_address: str,
+        args: Sequence[str] = (),
+        name: str = "engine",
+        ready_timeout_s: float = 300.0,
+    ) -> None:
+        self.workdir = Path(workdir)
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.log_path = self.workdir / f"{name}.log"
+        self.command = [
+            sys.executable, "-m", "inference.cli", "--kvd-address", kvd_address, "--listen", self.address, *args,
+        ]  # fmt: skip
+        self.ready_timeout_s = ready_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.startup_s = math.nan
+
+    def start(self) -> EngineProcess:
+        start = time.perf_counter()
+        env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+        with open(self.log_path, "wb") as log_file:
+            self.proc = subprocess.Popen(self.command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+        try:
+            wait_serving(self.address, self.ready_timeout_s, self.proc)
+        except (RuntimeError, TimeoutError) as exc:
+            self.stop()
+            raise RuntimeError(f"engine did not start ({exc}):\n{self.log_tail()}") from None
+        self.startup_s = time.perf_counter() - start
+        return self
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return "(no log)"
+
+    def stop(self, timeout_s: float = 15.0) -> int | None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        return proc.returncode
+
+    def __enter__(self) -> EngineProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
