@@ -28,6 +28,18 @@ class Admitted:
     blocks: list[Block]  # the whole block table, hits first
 
 
+class Deferred:
+    """``admit``'s answer for a request whose next block another request is computing."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "DEFERRED"
+
+
+DEFERRED = Deferred()
+
+
 class KVCacheManager:
     """Turns request-level questions into block-pool operations.
 
@@ -42,6 +54,11 @@ class KVCacheManager:
         self.pool = pool
         self.block_size = block_size
         self.digests = DigestMemo()
+        # Prompt blocks a running request has been admitted to compute, by
+        # hash: a newcomer whose next block is one of these waits for it to be
+        # committed instead of computing a duplicate (a burst of requests with
+        # one new long prefix computes it once).
+        self.inflight: dict[bytes, Request] = {}
         self.query_tokens = 0
         self.hit_tokens = 0
 
@@ -68,7 +85,7 @@ class KVCacheManager:
 
     # ---------------------------------------------------------- admission
 
-    def admit(self, request: Request, token_budget: int) -> Admitted | None:
+    def admit(self, request: Request, token_budget: int) -> Admitted | Deferred | None:
         """Gives a new request its cached prefix and slots for one chunk.
 
         Prefix-aware: only uncached tokens count against ``token_budget`` and
@@ -78,11 +95,16 @@ class KVCacheManager:
 
         Returns:
             ``None`` when the budget is spent or the pool cannot hold the
-            chunk; the request is then unchanged and should wait.
+            chunk; ``DEFERRED`` when its next block is being computed by
+            another running request. Either way the request is unchanged and
+            should wait.
         """
         assert not request.blocks, f"{request.request_id} is already admitted"
         num_tokens = len(request.token_ids)
-        hits = self.pool.match_prefix(request.block_hashes)
+        hashes = request.block_hashes
+        hits = self.pool.match_prefix(hashes)
+        if len(hits) < len(hashes) and hashes[len(hits)] in self.inflight:
+            return DEFERRED
         num_cached = len(hits) * self.block_size
         first = min(num_cached, num_tokens - 1)
         num_new = min(num_tokens - first, token_budget)
@@ -101,6 +123,9 @@ class KVCacheManager:
         request.num_computed_tokens = first
         request.num_scheduled_tokens = first + num_new
         request.num_indexed_blocks = len(hits)
+        inflight = self.inflight
+        for block_hash in hashes[len(hits) :]:
+            inflight.setdefault(block_hash, request)
         self.query_tokens += num_tokens
         self.hit_tokens += num_cached
         return Admitted(num_cached, first, num_new, request.blocks)
@@ -180,13 +205,22 @@ class KVCacheManager:
         start = request.num_indexed_blocks
         self.pool.cache_blocks(request.blocks[start:full], hashes[start:full])
         request.num_indexed_blocks = full
+        self._forget_inflight(request, hashes[start:full])
 
     def free(self, request: Request) -> None:
         """Gives back every block of a finished, cancelled or preempted request."""
+        self._forget_inflight(request, request.block_hashes[request.num_indexed_blocks :])
         self.pool.release(request.blocks)
         request.blocks = []
         request.num_computed_tokens = request.num_scheduled_tokens = 0
         request.num_indexed_blocks = 0
+
+    def _forget_inflight(self, request: Request, block_hashes: Sequence[bytes]) -> None:
+        inflight = self.inflight
+        if inflight:
+            for block_hash in block_hashes:
+                if inflight.get(block_hash) is request:
+                    del inflight[block_hash]
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

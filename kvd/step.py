@@ -8,7 +8,9 @@ budget:
 
     budget ──► appends (running requests, in the engine's order)
            └─► admissions (waiting requests, in priority order, until the
-               first that does not fit: later ones must not jump the queue)
+               first that does not fit: later ones must not jump the queue;
+               one whose next prompt block another request is computing
+               waits for it, and lets the next one go)
 
 When the pool cannot serve a running request, the newest request of the
 session is preempted (freed; the engine re-admits it later and recomputes)
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvd.block import Block
-from kvd.cache_manager import KVCacheManager
+from kvd.cache_manager import DEFERRED, KVCacheManager
 from kvd.hashing import token_bytes
 from kvd.request import Request
 from kvd.session import Session
@@ -153,6 +155,9 @@ def _schedule_waiting(
 ) -> None:
     for index, request in enumerate(requests):
         admitted = None if (budget <= 0 or out.preempted) else manager.admit(request, budget)
+        if admitted is DEFERRED:  # waits for another request's blocks; the next in line may go
+            out.waiting.append(request.request_id)
+            continue
         if admitted is None:
             out.waiting.extend(r.request_id for r in requests[index:])
             return

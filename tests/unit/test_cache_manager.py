@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvd.block_pool import BlockPool
-from kvd.cache_manager import KVCacheManager
+from kvd.cache_manager import DEFERRED, KVCacheManager
 from kvd.hashing import chain_block_hashes, encode_extra_keys
 
 BS = 4
@@ -368,22 +368,52 @@ def test_with_caching_disabled_repeats_get_no_hits():
     assert pool.cached == {}
 
 
-def test_two_requests_computing_the_same_prefix_share_the_first_copy():
+def test_a_request_waits_for_a_prefix_another_is_computing_then_hits_it():
     pool, manager = make(8)
+    first = manager.new_request("a", PROMPT[:10])
+    second = manager.new_request("b", PROMPT[:8] + [77, 78])
+    assert manager.admit(first, 4) is not None  # a chunk: block 0 of 2 full ones
+    assert manager.admit(second, 100) is DEFERRED  # its block 0 is being computed
+    manager.commit(first, 4)
+    assert manager.admit(second, 100) is DEFERRED  # block 0 is cached, block 1 still in flight
+    assert manager.append(first, 6) is not None
+    manager.commit(first, 10)
+    admitted = manager.admit(second, 100)
+    assert admitted.num_cached_tokens == 8 and admitted.blocks[:2] == first.blocks[:2]
+    manager.free(first)
+    manager.free(second)
+    assert manager.inflight == {} and pool.num_free == 8
+
+
+def test_a_freed_request_stops_deferring_others():
+    _, manager = make(8)
     first = manager.new_request("a", PROMPT[:8])
     second = manager.new_request("b", PROMPT[:8])
     manager.admit(first, 100)
-    manager.admit(second, 100)  # neither hits: nothing is committed yet
-    manager.commit(first, 8)
-    manager.commit(second, 8)
-    assert [b.block_hash for b in second.blocks] == [None, None]
-    assert pool.match_prefix(first.block_hashes) == first.blocks
-    duplicates = ids(second.blocks)
+    assert manager.admit(second, 100) is DEFERRED
+    manager.free(first)  # preempted or cancelled before committing
+    assert manager.admit(second, 100).num_cached_tokens == 0
+
+
+def test_two_requests_computing_the_same_blocks_share_the_first_copy():
+    pool, manager = make(8)
+    first = manager.new_request("a", PROMPT[:4])
+    second = manager.new_request("b", PROMPT[:4])
+    manager.admit(first, 100)
+    manager.commit(first, 4)
+    manager.admit(second, 100)  # hits block 0, recomputes the last prompt token
+    manager.append(first, 4)
+    manager.append(second, 4)
+    # Both sample the same four tokens: their block 1 has the same content.
+    manager.commit(first, 8, [9, 9, 9, 9])
+    manager.commit(second, 8, [9, 9, 9, 9])
+    assert second.blocks[1].block_hash is None and first.blocks[1].block_hash is not None
+    duplicate = second.blocks[1].block_id
     manager.free(first)
     manager.free(second)
-    # The unhashed duplicates are reused before the cached copies.
-    assert [b.block_id for b in pool.free_queue][:2] == duplicates
-    assert manager.lookup(hashes(PROMPT[:8])) == 8
+    # The unhashed duplicate is reused before the cached copies.
+    assert [b.block_id for b in pool.free_queue][0] == duplicate
+    assert manager.lookup(hashes(PROMPT[:4] + [9, 9, 9, 9])) == 8
 
 
 # ------------------------------------------------------------------------ free

@@ -234,11 +234,19 @@ class PoolMachine(RuleBasedStateMachine):
             )
             req.scheduled += s.num_scheduled_tokens
 
-        # Admissions: a prefix is scheduled, in priority order; the rest waits.
-        assert [s.request_id for s in admitted] + out.waiting == [a.request_id for a in admissions]
+        # Admissions, in priority order: scheduled, or deferred (its next block
+        # is another request's to compute), until the first that does not fit.
+        order = [a.request_id for a in admissions]
+        waiting = set(out.waiting)
+        assert sorted([s.request_id for s in admitted] + out.waiting, key=order.index) == order
+        assert [r for r in order if r not in waiting] == [s.request_id for s in admitted]
         if out.preempted:
             assert admitted == []
-        for adm, s in zip(admissions, admitted, strict=False):
+        blocked = [a for a in admissions if a.request_id in waiting and not self.deferred(a)]
+        for adm in blocked[1:]:  # everything behind the first one that did not fit waits too
+            assert order.index(adm.request_id) > order.index(blocked[0].request_id)
+        scheduled_admissions = [a for a in admissions if a.request_id not in waiting]
+        for adm, s in zip(scheduled_admissions, admitted, strict=True):
             tokens = list(adm.token_ids)
             self.assert_cached_prefix_was_committed(tokens, adm.cache_salt, s.num_cached_tokens)
             assert s.first_position == min(s.num_cached_tokens, len(tokens) - 1)
@@ -250,9 +258,16 @@ class PoolMachine(RuleBasedStateMachine):
                 tokens, adm.cache_salt, s.first_position, s.first_position + s.num_scheduled_tokens
             )
             self.remember(tokens, adm.cache_salt)
-        if out.waiting and not out.preempted and left > 0:
-            self.assert_admission_really_did_not_fit(admissions[len(admitted)], left)
+        if blocked and not out.preempted and left > 0:
+            self.assert_admission_really_did_not_fit(blocked[0], left)
         assert out.num_free_blocks == self.pool.num_free
+
+    def deferred(self, adm: AdmissionWork) -> bool:
+        """Whether the admission's first uncached block is in flight (another
+        request admitted to compute it, not committed yet)."""
+        hashes = chain(list(adm.token_ids), adm.cache_salt)
+        hits = self.pool.match_prefix(hashes)
+        return len(hits) < len(hashes) and hashes[len(hits)] in self.manager.inflight
 
     def assert_admission_really_did_not_fit(self, adm: AdmissionWork, budget: int) -> None:
         # Nothing changes after a refused admission, so the pool is as admit() saw it.
@@ -444,6 +459,13 @@ class PoolMachine(RuleBasedStateMachine):
                 self.event_view.clear()
         assert self.event_view == set(self.pool.cached)
 
+    @invariant()
+    def inflight_blocks_belong_to_running_requests(self):
+        running = {id(r) for session in self.sessions for r in session.requests.values()}
+        for block_hash, request in self.manager.inflight.items():
+            assert id(request) in running, "a finished request still claims an in-flight block"
+            assert block_hash in request.block_hashes[request.num_indexed_blocks :]
+
     def teardown(self):
         for session, live in zip(self.sessions, self.live, strict=True):
             run_step(self.manager, session, StepInput(frees=list(live)))
@@ -454,6 +476,7 @@ class PoolMachine(RuleBasedStateMachine):
         assert all(b.ref_cnt == 0 for b in self.pool.blocks)
         assert len(list(self.pool.free_queue)) == NUM_BLOCKS
         assert self.pins.num_pinned_blocks == 0
+        assert self.manager.inflight == {}
 
 
 PoolMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
