@@ -23,6 +23,32 @@ from transformers import AttentionInterface
 
 
 @dataclass
+class DecodeBatch:
+    """The step's one-token sequences, attended to in one batched pass.
+
+    Their K/V splits in two: the leading blocks every one of them shares (a
+    common prompt prefix: gathered once, one matrix product for all queries)
+    and each one's own remaining positions (gathered into a padded batch)::
+
+        seq a  | shared prefix blocks | a's own positions ...   |
+        seq b  | shared prefix blocks | b's own ... | (padding) |
+
+    Attributes:
+        rows: the sequences' query rows in the flattened batch ``[B]``.
+        prefix_blocks: the shared leading block ids ``[P]``.
+        own_blocks, own_offsets: per sequence, the block and in-block offset
+            of each of its own positions, padded ``[B, S]``.
+        own_valid: which of those are real positions ``[B, S]``.
+    """
+
+    rows: torch.Tensor
+    prefix_blocks: torch.Tensor
+    own_blocks: torch.Tensor
+    own_offsets: torch.Tensor
+    own_valid: torch.Tensor
+
+
+@dataclass
 class AttentionMetadata:
     """Everything one step's attention needs beyond Q, K and V.
 
@@ -37,6 +63,8 @@ class AttentionMetadata:
             recomputed position of a cached block is read, not rewritten).
         write_blocks, write_offsets: the block and in-block offset of each
             written token.
+        decode: the one-token sequences batched together (None: none are).
+        looped: the sequences attended to one by one (all the others).
     """
 
     kv_cache: torch.Tensor
@@ -46,6 +74,8 @@ class AttentionMetadata:
     write_index: torch.Tensor
     write_blocks: torch.Tensor
     write_offsets: torch.Tensor
+    decode: DecodeBatch | None = None
+    looped: list[int] | None = None
 
 
 def store_new_kv(
@@ -80,7 +110,7 @@ def torch_paged_attention(
     attn_metadata: AttentionMetadata | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """The reference backend (CPU and GPU), one SDPA call per sequence.
+    """The reference backend (CPU and GPU): decodes batched, prefill chunks one by one.
 
     Args:
         query: ``[1, heads, tokens, head_dim]``; key, value: ``[1, kv_heads, tokens, head_dim]``.
@@ -91,16 +121,52 @@ def torch_paged_attention(
     meta = attn_metadata
     layer_k, layer_v = store_new_kv(module.layer_idx, key, value, meta)
     q = query[0]
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)
-    for i, context in enumerate(meta.context_lens):
+    looped = range(len(meta.context_lens)) if meta.looped is None else meta.looped
+    for i in looped:
         start, end = meta.query_start[i], meta.query_start[i + 1]
-        k = gather_kv(layer_k, meta.block_tables[i], context)
-        v = gather_kv(layer_v, meta.block_tables[i], context)
-        out[start:end] = _attend(q[:, start:end], k, v, scaling).transpose(0, 1)
+        k = gather_kv(layer_k, meta.block_tables[i], meta.context_lens[i])
+        v = gather_kv(layer_v, meta.block_tables[i], meta.context_lens[i])
+        out[start:end] = _attend(q[:, start:end], k, v, scale).transpose(0, 1)
+    if meta.decode is not None:
+        out[meta.decode.rows] = _attend_decodes(q, layer_k, layer_v, meta.decode, scale)
     return out.unsqueeze(0), None
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None) -> torch.Tensor:
+def _attend_decodes(
+    q: torch.Tensor, layer_k: torch.Tensor, layer_v: torch.Tensor, batch: DecodeBatch, scale: float
+) -> torch.Tensor:
+    """One query per sequence over its shared prefix and its own positions.
+
+    Args:
+        q: the step's queries ``[heads, tokens, head_dim]``.
+
+    Returns:
+        ``[B, heads, head_dim]``.
+
+    NOTE: the prefix is gathered once and scored for all B queries in one
+    product, instead of copied B times; one softmax over the concatenated
+    scores keeps this exact (no partial-softmax merging).
+    """
+    heads, _, head_dim = q.shape
+    kv_heads = layer_k.shape[2]
+    grouped = q[:, batch.rows].view(kv_heads, heads // kv_heads, -1, head_dim)  # [k, g, B, d]
+    prefix_k = layer_k[batch.prefix_blocks].flatten(0, 1)  # [P*bs, k, d]
+    prefix_v = layer_v[batch.prefix_blocks].flatten(0, 1)
+    own_k = layer_k[batch.own_blocks, batch.own_offsets]  # [B, S, k, d]
+    own_v = layer_v[batch.own_blocks, batch.own_offsets]
+    prefix_scores = torch.einsum("kgbd,pkd->bkgp", grouped, prefix_k)
+    own_scores = torch.einsum("kgbd,bskd->bkgs", grouped, own_k)
+    own_scores.masked_fill_(~batch.own_valid[:, None, None, :], float("-inf"))
+    probs = (torch.cat((prefix_scores, own_scores), dim=-1) * scale).softmax(dim=-1)
+    split = prefix_k.shape[0]
+    out = torch.einsum("bkgp,pkd->bkgd", probs[..., :split], prefix_v)
+    out += torch.einsum("bkgs,bskd->bkgd", probs[..., split:], own_v)
+    return out.reshape(out.shape[0], heads, head_dim)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of the last ``q_len`` positions over ``k_len`` keys.
 
     Args:
@@ -116,7 +182,6 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | 
     heads, q_len, head_dim = q.shape
     kv_heads, k_len = k.shape[1], k.shape[0]
     grouped = q.view(kv_heads, heads // kv_heads, q_len, head_dim)
-    scale = scaling if scaling is not None else head_dim**-0.5
     scores = torch.einsum("hgqd,khd->hgqk", grouped, k) * scale
     if q_len > 1:
         # Bottom-right aligned: query j sits at position k_len - q_len + j.

@@ -10,7 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-from inference.attention import AttentionMetadata
+from inference.attention import AttentionMetadata, DecodeBatch
+
+#: Fewer one-token chunks than this are attended to one by one.
+MIN_DECODE_BATCH = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,17 +94,57 @@ class ModelRunner:
                 last.append(base + n - 1)
         dev = self.device
         slots = torch.tensor(write_slots, dtype=torch.long, device=dev)
+        tables = [c.block_table[: -(-ctx // self.block_size)] for c, ctx in zip(chunks, context_lens, strict=True)]
+        decode, looped = self._decode_batch(chunks, query_start, context_lens, tables)
         meta = AttentionMetadata(
             kv_cache=self.kv_cache,
             query_start=query_start,
             context_lens=context_lens,
-            block_tables=[
-                torch.tensor(c.block_table[: -(-ctx // self.block_size)], dtype=torch.long, device=dev)
-                for c, ctx in zip(chunks, context_lens, strict=True)
-            ],
+            block_tables=[torch.tensor(t, dtype=torch.long, device=dev) for t in tables],
             write_index=torch.tensor(write_index, dtype=torch.long, device=dev),
             write_blocks=slots // self.block_size,
             write_offsets=slots % self.block_size,
+            decode=decode,
+            looped=looped,
         )
         as_tensor = lambda values: torch.tensor([values], dtype=torch.long, device=dev)  # noqa: E731
         return as_tensor(ids), as_tensor(positions), meta, last
+
+    def _decode_batch(
+        self, chunks: list[Chunk], query_start: list[int], context_lens: list[int], tables: list[list[int]]
+    ) -> tuple[DecodeBatch | None, list[int] | None]:
+        """Batches the one-token chunks when padding them wastes little.
+
+        Returns:
+            The batch (None: no batching) and the chunks left to the per-sequence loop.
+        """
+        decodes = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
+        if len(decodes) < MIN_DECODE_BATCH:
+            return None, None
+        bs = self.block_size
+        shortest = min(context_lens[i] for i in decodes)
+        prefix = 0  # leading blocks every decode shares, fully inside each one's context
+        first = tables[decodes[0]]
+        while (prefix + 1) * bs <= shortest and all(tables[i][prefix] == first[prefix] for i in decodes):
+            prefix += 1
+        own = [context_lens[i] - prefix * bs for i in decodes]
+        width = max(own)
+        if len(decodes) * width > 2 * sum(own) + len(decodes) * bs:
+            return None, None  # lengths too uneven: padding would cost more than it saves
+        dev = self.device
+        positions = prefix * bs + torch.arange(width, device=dev)[None, :]
+        valid = positions < torch.tensor(context_lens, device=dev)[decodes][:, None]
+        widest = max(len(tables[i]) for i in decodes)
+        padded = torch.zeros(len(decodes), widest, dtype=torch.long, device=dev)
+        for row, i in enumerate(decodes):
+            padded[row, : len(tables[i])] = torch.tensor(tables[i], dtype=torch.long)
+        block_index = torch.where(valid, positions // bs, 0)
+        batch = DecodeBatch(
+            rows=torch.tensor([query_start[i] for i in decodes], dtype=torch.long, device=dev),
+            prefix_blocks=torch.tensor(first[:prefix], dtype=torch.long, device=dev),
+            own_blocks=padded.gather(1, block_index),
+            own_offsets=positions.expand(len(decodes), -1) % bs,
+            own_valid=valid,
+        )
+        batched = set(decodes)
+        return batch, [i for i in range(len(chunks)) if i not in batched]

@@ -1,0 +1,217 @@
+"""Named prefix templates through the gateway: prompt throughput and time to
+first token with a template vs the same tokens with prefix caching off.
+
+    .venv/bin/python benchmarks/templates.py --json benchmarks/results/templates.json [--quick]
+
+One daemon, one float32 SmolLM2 engine and one gateway (embedded Redis). Each
+request is a 320-token template followed by 1,000 distinct prompt tokens
+(template : prompt = 0.32 : 1), one output token (the prompt's cost is what is
+measured), several requests in flight. Variants, interleaved round by round on
+the same processes so machine noise hits them alike:
+
+- ``template``: ``Generate(template=NAME, text=PROMPT)``; the template's blocks
+  were warmed and pinned by ``CreateTemplate``.
+- ``no_cache``: the same token ids (template tokens, then the prompt's) sent
+  plainly, each request with a cache salt of its own: nothing it computes is
+  ever reused, exactly what the engine's ``--no-prefix-caching`` does.
+- ``auto_prefix`` (context): the same token ids sent plainly with the tenant's
+  salt: automatic prefix caching finds the template's blocks by their hashes.
+
+Every variant gets prompts of its own (same lengths), so no variant reuses
+another's prompt blocks. The ideal gain is (320 + 1000) / 1000 - 1 = +32%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import _common as common
+
+VARIANTS = ("template", "no_cache", "auto_prefix")
+WORDS = (  # noqa: SIM905 (a word list reads better as prose)
+    "river harbour lock committee report spring flood bridge market grain barge toll quay tide ledger "
+    "merchant warehouse canal ferry signal lantern rope anchor timber stone mill wheel gate clerk road "
+    "north south east west morning evening winter summer meeting notice repair survey"
+).split()
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", required=True, help="write the results here")
+    p.add_argument("--quick", action="store_true", help="a small workload (about a minute)")
+    p.add_argument("--requests", type=int, help="requests per variant (default 24; quick 6)")
+    p.add_argument("--template-tokens", type=int, help="default 320; quick 96")
+    p.add_argument("--prompt-tokens", type=int, help="default 1000; quick 300")
+    p.add_argument("--concurrency", type=int, default=4, help="requests in flight")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds the requests are split into")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--model", default="smollm2")
+    return p.parse_args(argv)
+
+
+def text_of_tokens(tokenizer, rng: random.Random, num_tokens: int) -> tuple[str, list[int]]:
+    """Seeded English-like text of exactly ``num_tokens`` tokens (when re-tokenized)."""
+    words = " ".join(rng.choice(WORDS) for _ in range(num_tokens * 2))
+    ids = tokenizer.encode(words, add_special_tokens=False)[:num_tokens]
+    text = tokenizer.decode(ids)
+    return text, tokenizer.encode(text, add_special_tokens=False)
+
+
+class GatewayProcess:
+    """A ``kvd-gateway`` subprocess with its own embedded Redis in ``workdir``."""
+
+    def __init__(self, workdir: Path, engine_address: str) -> None:
+        self.address = f"127.0.0.1:{common.free_port()}"
+        self.log_path = workdir / "gateway.log"
+        self.command = [sys.executable, "-m", "gateway.cli", "--listen", self.address, "--engine", engine_address,
+                        "--data-dir", str(workdir / "gateway-data")]  # fmt: skip
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> GatewayProcess:
+        with open(self.log_path, "wb") as log_file:
+            self.proc = subprocess.Popen(self.command, stdout=log_file, stderr=subprocess.STDOUT)
+        common.wait_serving(self.address, 60, self.proc)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(15)
+
+
+def one_request(client, variant: str, template: str, template_ids: list[int], prompt: tuple[str, list[int]]):
+    """Streams one request; returns (prompt tokens, cached tokens, time to first token)."""
+    from gateway.client import GatewayClient
+
+    text, ids = prompt
+    if variant == "template":
+        request = GatewayClient.request(text, template=template, max_new_tokens=1, ignore_eos=True)
+    else:
+        salt = secrets.token_bytes(16) if variant == "no_cache" else b""
+        request = GatewayClient.request(template_ids + ids, cache_salt=salt, max_new_tokens=1, ignore_eos=True)
+    start = time.perf_counter()
+    ttft, usage = None, None
+    for message in client.stub.Generate(request, timeout=600):
+        if ttft is None and message.token_ids:
+            ttft = time.perf_counter() - start
+        if message.HasField("usage"):
+            usage = message.usage
+    assert usage is not None and ttft is not None
+    return usage.prompt_tokens, usage.cached_prompt_tokens, ttft
+
+
+def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    from gateway.client import GatewayClient
+    from inference import model_store
+
+    quick = args.quick
+    n = args.requests or (6 if quick else 24)
+    template_len = args.template_tokens or (96 if quick else 320)
+    prompt_len = args.prompt_tokens or (300 if quick else 1000)
+    model_dir = model_store.resolve_model(args.model, model_store.default_cache_dir())
+    tokenizer = model_store.load_tokenizer(model_dir)
+    rng = random.Random(args.seed)
+    template_text, template_ids = text_of_tokens(tokenizer, rng, template_len)
+    prompts = {v: [text_of_tokens(tokenizer, rng, prompt_len) for _ in range(n)] for v in VARIANTS}
+
+    measured: dict[str, list[tuple[int, int, float]]] = {v: [] for v in VARIANTS}
+    wall: dict[str, float] = dict.fromkeys(VARIANTS, 0.0)
+    blocks = max(1024, 4 * args.concurrency * (template_len + prompt_len) // 16)
+    with (
+        common.KvdProcess(workdir, ["--block-size", "16", "--num-blocks", str(blocks), "--metrics-port", "0"]) as kvd,
+        common.EngineProcess(workdir, kvd.address, ["--model", str(model_dir)]) as engine,
+        GatewayProcess(workdir, engine.address) as gateway,
+        GatewayClient(gateway.address, timeout_s=600) as client,
+        ThreadPoolExecutor(args.concurrency) as pool,
+    ):
+        created = client.create_template("bench", template_text)
+        # Warm-up (not measured): one request of each kind on prompts of their own.
+        for variant in VARIANTS:
+            one_request(client, variant, "bench", template_ids, text_of_tokens(tokenizer, rng, 32))
+        progress = common.Progress("templates: interleaved rounds", n * len(VARIANTS))
+        for r in range(args.rounds):
+            chunk = slice(r * n // args.rounds, (r + 1) * n // args.rounds)
+            order = VARIANTS if r % 2 == 0 else tuple(reversed(VARIANTS))
+            for variant in order:
+                batch = prompts[variant][chunk]
+                start = time.perf_counter()
+                results = list(pool.map(lambda p, v=variant: one_request(client, v, "bench", template_ids, p), batch))
+                wall[variant] += time.perf_counter() - start
+                measured[variant] += results
+                progress.advance(len(batch))
+        progress.done()
+    results = {v: summarize(measured[v], wall[v]) for v in VARIANTS}
+    workload = {
+        "requests_per_variant": n,
+        "template_tokens": len(template_ids),
+        "template_pinned_tokens": created.cached_token_count,
+        "prompt_tokens": prompt_len,
+        "template_to_prompt": round(len(template_ids) / prompt_len, 3),
+        "max_new_tokens": 1,
+        "concurrency": args.concurrency,
+        "rounds": args.rounds,
+        "seed": args.seed,
+        "model": model_dir.name,
+        "dtype": "float32",
+        "no_cache": "a fresh cache salt per request (as --no-prefix-caching)",
+    }
+    return {"workload": workload, "results": results}
+
+
+def summarize(rows: list[tuple[int, int, float]], wall_s: float) -> dict[str, Any]:
+    prompt_tokens = sum(r[0] for r in rows)
+    return {
+        "requests": len(rows),
+        "prompt_tokens": prompt_tokens,
+        "prompt_tokens_per_s": prompt_tokens / wall_s,
+        "ttft_mean_s": common.mean([r[2] for r in rows]),
+        "ttft_p90_s": common.percentile([r[2] for r in rows], 90),
+        "cached_token_ratio": sum(r[1] for r in rows) / prompt_tokens,
+        "wall_s": wall_s,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="kvd-bench-", dir="/tmp") as tmp:
+        out = run(args, Path(tmp))
+    results = out["results"]
+    gain = results["template"]["prompt_tokens_per_s"] / results["no_cache"]["prompt_tokens_per_s"] - 1
+    ratios = {
+        "prompt_throughput_gain": gain,
+        "ttft_template_over_no_cache": results["template"]["ttft_mean_s"] / results["no_cache"]["ttft_mean_s"],
+        "ideal_gain": out["workload"]["template_tokens"] / out["workload"]["prompt_tokens"],
+    }
+    rows = [
+        [v, r["requests"], r["prompt_tokens_per_s"], r["ttft_mean_s"], r["ttft_p90_s"], r["cached_token_ratio"]]
+        for v, r in results.items()
+    ]
+    print(common.format_table(["variant", "requests", "prompt tok/s", "ttft mean s", "ttft p90 s", "cached"], rows))
+    print(f"prompt throughput gain with the template: {gain:+.1%} (ideal {ratios['ideal_gain']:+.1%}; target +30%)")
+    common.write_json(
+        args.json,
+        {
+            "benchmark": "templates",
+            "quick": args.quick,
+            "machine": common.machine_info(),
+            "source": common.source_digest(("kvd/**/*.py", "inference/**/*.py", "gateway/**/*.py")),
+            "workload": out["workload"],
+            "results": common.rounded(results),
+            "ratios": common.rounded(ratios),
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
