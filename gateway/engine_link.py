@@ -23,6 +23,15 @@ _PASSED_ON = frozenset(
 )
 
 
+# NOTE: gRPC's default reconnect backoff grows to two minutes: an engine that
+# restarted would stay unreachable through this channel long after it serves.
+_RECONNECT = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
 class EngineLink:
     """One engine: its stub, and its model info once it answered.
 
@@ -35,7 +44,7 @@ class EngineLink:
     def __init__(self, address: str, rpc_timeout_s: float = 10.0) -> None:
         self.address = address
         self.rpc_timeout_s = rpc_timeout_s
-        self.channel = grpc.insecure_channel(address)
+        self.channel = grpc.insecure_channel(address, options=_RECONNECT)
         self.stub = epb_grpc.EngineStub(self.channel)
         self._info: epb.InfoResponse | None = None
         self._lock = threading.Lock()

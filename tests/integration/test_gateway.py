@@ -28,6 +28,7 @@ from kvd.client import DaemonClient
 from tests.conftest import (
     blocks_held,
     free_port,
+    health_status,
     start_daemon,
     start_engine,
     start_gateway,
@@ -389,7 +390,10 @@ def test_restarts_keep_templates_warm(stack_factory, workdir, model_dir):
         engine.stop()
         engine_port = int(engine.address.rsplit(":", 1)[1])
         engine = start_engine(engine.daemon, ["--model", str(model_dir)], workdir, port=engine_port)
-        assert pins() == 1 and cached_after_template() >= expected
+        assert pins() == 1
+        # The gateway reconnects within its backoff (at most a second).
+        assert wait_for(lambda: health_status(gw.address) == health_pb2.HealthCheckResponse.SERVING, 10)
+        assert cached_after_template() >= expected
     finally:
         gw.stop()
         engine.stop()
@@ -412,6 +416,14 @@ def test_tls(replica, folder):
             assert status_of(plaintext.info)[0] == grpc.StatusCode.UNAVAILABLE
     finally:
         gw.stop()
+
+
+def _serving(address: str) -> bool:
+    """The gateway is up and has an engine attached to its daemon behind it."""
+    try:
+        return health_status(address) == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
 
 
 def _answers(client: GatewayClient) -> bool:
@@ -439,8 +451,9 @@ def test_make_serve_stack_starts_three_processes_and_stops_them(workdir, model_d
     with open(f"{workdir}/serve.log", "w") as log:
         stack = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        with GatewayClient(f"127.0.0.1:{gateway_port}", timeout_s=60) as client:
-            assert wait_for(lambda: _answers(client), 180), Path(f"{workdir}/serve.log").read_text()
+        client_address = f"127.0.0.1:{gateway_port}"
+        with GatewayClient(client_address, timeout_s=60) as client:
+            assert wait_for(lambda: _serving(client_address), 180), Path(f"{workdir}/serve.log").read_text()
             client.create_template("hello", SUPPORT)
             _, usage = completion(client, " Hi", template="hello", max_new_tokens=2)
             assert usage.cached_prompt_tokens >= usage.template_tokens // BLOCK * BLOCK > 0
