@@ -221,7 +221,50 @@ def kvd_executable() -> str:
     return found
 
 
-class KvdProcess:
+class ChildProcess:
+    """A subprocess with its output in a log file; stopped with SIGTERM (SIGKILL
+    if it lingers). Subclasses set ``command`` and ``log_path`` and wait for
+    readiness in ``start``; use them as context managers."""
+
+    command: list[str]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+
+    def _spawn(self, env: dict[str, str] | None = None) -> subprocess.Popen:
+        with open(self.log_path, "wb") as log_file:
+            self.proc = subprocess.Popen(self.command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+        return self.proc
+
+    def start(self) -> ChildProcess:
+        raise NotImplementedError
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return "(no log)"
+
+    def stop(self, timeout_s: float = 15.0) -> int | None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        return proc.returncode
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class KvdProcess(ChildProcess):
     """A ``kvd`` daemon subprocess listening on a unix socket in ``workdir``.
 
     Use as a context manager; the daemon gets SIGTERM on exit (SIGKILL if it
@@ -242,7 +285,6 @@ class KvdProcess:
         self.log_path = self.workdir / f"{name}.log"
         self.command = [kvd_executable(), "--socket", self.socket, "--shm-dir", str(self.workdir), *args]
         self.ready_timeout_s = ready_timeout_s
-        self.proc: subprocess.Popen | None = None
         self.startup_s = math.nan
 
     @property
@@ -251,8 +293,7 @@ class KvdProcess:
 
     def start(self) -> KvdProcess:
         start = time.perf_counter()
-        with open(self.log_path, "wb") as log_file:
-            self.proc = subprocess.Popen(self.command, stdout=log_file, stderr=subprocess.STDOUT)
+        self._spawn()
         deadline = start + self.ready_timeout_s
         while not os.path.exists(self.socket):
             if self.proc.poll() is not None:
@@ -263,31 +304,6 @@ class KvdProcess:
             time.sleep(0.05)
         self.startup_s = time.perf_counter() - start
         return self
-
-    def log_tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except FileNotFoundError:
-            return "(no log)"
-
-    def stop(self, timeout_s: float = 10.0) -> int | None:
-        proc, self.proc = self.proc, None
-        if proc is None:
-            return None
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        return proc.returncode
-
-    def __enter__(self) -> KvdProcess:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 # ---------------------------------------------------------------- engine
@@ -328,7 +344,7 @@ def wait_serving(address: str, timeout_s: float, proc: subprocess.Popen | None =
     raise TimeoutError(f"{address} not serving after {timeout_s}s")
 
 
-class EngineProcess:
+class EngineProcess(ChildProcess):
     """A ``kvd-engine`` subprocess (``python -m inference.cli``) on a TCP port of 127.0.0.1.
 
     Use as a context manager; the engine gets SIGTERM on exit (SIGKILL if it
@@ -360,14 +376,12 @@ class EngineProcess:
             sys.executable, "-m", "inference.cli", "--kvd-address", kvd_address, "--listen", self.address, *args,
         ]  # fmt: skip
         self.ready_timeout_s = ready_timeout_s
-        self.proc: subprocess.Popen | None = None
         self.startup_s = math.nan
 
     def start(self) -> EngineProcess:
         start = time.perf_counter()
         env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-        with open(self.log_path, "wb") as log_file:
-            self.proc = subprocess.Popen(self.command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+        self._spawn(env)
         try:
             wait_serving(self.address, self.ready_timeout_s, self.proc)
         except (RuntimeError, TimeoutError) as exc:
@@ -376,27 +390,24 @@ class EngineProcess:
         self.startup_s = time.perf_counter() - start
         return self
 
-    def log_tail(self, lines: int = 20) -> str:
+
+class GatewayProcess(ChildProcess):
+    """A ``kvd-gateway`` subprocess with its own embedded Redis in ``workdir``;
+    ``start`` returns once it serves (its engine is attached)."""
+
+    def __init__(self, workdir: str | os.PathLike, engine_address: str, args: Sequence[str] = ()) -> None:
+        workdir = Path(workdir)
+        self.address = f"127.0.0.1:{free_port()}"
+        self.log_path = workdir / "gateway.log"
+        self.command = [
+            sys.executable, "-m", "gateway.cli", "--listen", self.address, "--engine", engine_address,
+            "--data-dir", str(workdir / "gateway-data"), *args,
+        ]  # fmt: skip
+
+    def start(self) -> GatewayProcess:
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except FileNotFoundError:
-            return "(no log)"
-
-    def stop(self, timeout_s: float = 15.0) -> int | None:
-        proc, self.proc = self.proc, None
-        if proc is None:
-            return None
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        return proc.returncode
-
-    def __enter__(self) -> EngineProcess:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+            wait_serving(self.address, 60, self._spawn())
+        except (RuntimeError, TimeoutError) as exc:
+            self.stop()
+            raise RuntimeError(f"gateway did not start ({exc}):\n{self.log_tail()}") from None
+        return self

@@ -26,8 +26,6 @@ from __future__ import annotations
 import argparse
 import random
 import secrets
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -65,28 +63,6 @@ def text_of_tokens(tokenizer, rng: random.Random, num_tokens: int) -> tuple[str,
     ids = tokenizer.encode(words, add_special_tokens=False)[:num_tokens]
     text = tokenizer.decode(ids)
     return text, tokenizer.encode(text, add_special_tokens=False)
-
-
-class GatewayProcess:
-    """A ``kvd-gateway`` subprocess with its own embedded Redis in ``workdir``."""
-
-    def __init__(self, workdir: Path, engine_address: str) -> None:
-        self.address = f"127.0.0.1:{common.free_port()}"
-        self.log_path = workdir / "gateway.log"
-        self.command = [sys.executable, "-m", "gateway.cli", "--listen", self.address, "--engine", engine_address,
-                        "--data-dir", str(workdir / "gateway-data")]  # fmt: skip
-        self.proc: subprocess.Popen | None = None
-
-    def __enter__(self) -> GatewayProcess:
-        with open(self.log_path, "wb") as log_file:
-            self.proc = subprocess.Popen(self.command, stdout=log_file, stderr=subprocess.STDOUT)
-        common.wait_serving(self.address, 60, self.proc)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(15)
 
 
 def one_request(client, variant: str, template: str, template_ids: list[int], prompt: tuple[str, list[int]]):
@@ -130,7 +106,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     with (
         common.KvdProcess(workdir, ["--block-size", "16", "--num-blocks", str(blocks), "--metrics-port", "0"]) as kvd,
         common.EngineProcess(workdir, kvd.address, ["--model", str(model_dir)]) as engine,
-        GatewayProcess(workdir, engine.address) as gateway,
+        common.GatewayProcess(workdir, engine.address) as gateway,
         GatewayClient(gateway.address, timeout_s=600) as client,
         ThreadPoolExecutor(args.concurrency) as pool,
     ):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import secrets
 import signal
 import sys
@@ -20,27 +19,26 @@ import threading
 from pathlib import Path
 
 from kvd import logs
+from kvd.cli import env_default
 
 log = logging.getLogger("gateway")
-
-
-def _env(name: str, default):
-    return os.environ.get(name, default)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--redis-url",
-        default=_env("KVD_REDIS_URL", ""),
+        default=env_default("KVD_REDIS_URL", ""),
         help="redis://HOST:PORT/DB; empty: an embedded Redis in --data-dir (KVD_REDIS_URL)",
     )
     p.add_argument(
         "--data-dir",
-        default=_env("KVD_DATA_DIR", ""),
+        default=env_default("KVD_DATA_DIR", ""),
         help="where the embedded Redis keeps its files; default ~/.local/share/kvd (KVD_DATA_DIR)",
     )
     p.add_argument(
-        "--redis-prefix", default=_env("KVD_REDIS_PREFIX", "kvd:"), help="prefix of every Redis key (KVD_REDIS_PREFIX)"
+        "--redis-prefix",
+        default=env_default("KVD_REDIS_PREFIX", "kvd:"),
+        help="prefix of every Redis key (KVD_REDIS_PREFIX)",
     )
 
 
@@ -50,25 +48,25 @@ def build_parser() -> argparse.ArgumentParser:
         description="The public gRPC API of kvd: generation and named prefix templates in Redis.",
         epilog="Each flag's environment variable is named in its help; a flag given on the command line wins.",
     )
-    p.add_argument("--listen", default=_env("KVD_GATEWAY_ADDR", "127.0.0.1:50051"), help="(KVD_GATEWAY_ADDR)")
+    p.add_argument("--listen", default=env_default("KVD_GATEWAY_ADDR", "127.0.0.1:50051"), help="(KVD_GATEWAY_ADDR)")
     p.add_argument(
-        "--engine", default=_env("KVD_ENGINE_ADDR", "127.0.0.1:50052"), help="engine HOST:PORT (KVD_ENGINE_ADDR)"
+        "--engine", default=env_default("KVD_ENGINE_ADDR", "127.0.0.1:50052"), help="engine HOST:PORT (KVD_ENGINE_ADDR)"
     )
     _common(p)
     p.add_argument(
         "--api-keys",
-        default=_env("KVD_API_KEYS", ""),
+        default=env_default("KVD_API_KEYS", ""),
         help="a JSON keys file, or 'redis'; empty: single-user mode, no keys (KVD_API_KEYS)",
     )
-    p.add_argument("--tls-cert", default=_env("KVD_TLS_CERT", ""), help="PEM certificate chain (KVD_TLS_CERT)")
-    p.add_argument("--tls-key", default=_env("KVD_TLS_KEY", ""), help="PEM private key (KVD_TLS_KEY)")
+    p.add_argument("--tls-cert", default=env_default("KVD_TLS_CERT", ""), help="PEM certificate chain (KVD_TLS_CERT)")
+    p.add_argument("--tls-key", default=env_default("KVD_TLS_KEY", ""), help="PEM private key (KVD_TLS_KEY)")
     p.add_argument(
         "--keeper-interval-s",
         type=float,
-        default=float(_env("KVD_KEEPER_INTERVAL_S", 1.0)),
+        default=float(env_default("KVD_KEEPER_INTERVAL_S", 1.0)),
         help="how often expired templates are unpinned and a new engine cache re-warmed (KVD_KEEPER_INTERVAL_S)",
     )
-    p.add_argument("--log-level", default=_env("KVD_LOG_LEVEL", "info"), help="(KVD_LOG_LEVEL)")
+    p.add_argument("--log-level", default=env_default("KVD_LOG_LEVEL", "info"), help="(KVD_LOG_LEVEL)")
     return p
 
 

@@ -15,13 +15,9 @@ import threading
 from pathlib import Path
 
 from kvd import logs
-from kvd.cli import default_socket
+from kvd.cli import default_socket, env_default
 
 log = logging.getLogger("inference")
-
-
-def _env(name: str, default):
-    return os.environ.get(name, default)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,54 +28,54 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--model",
-        default=_env("KVD_MODEL", "smollm2"),
+        default=env_default("KVD_MODEL", "smollm2"),
         help="'smollm2' (the bundled SmolLM2-135M-Instruct), a local HF model folder, or a .gguf file (KVD_MODEL)",
     )
     p.add_argument(
         "--model-cache-dir",
-        default=_env("KVD_MODEL_CACHE_DIR", ""),
+        default=env_default("KVD_MODEL_CACHE_DIR", ""),
         help="where converted models are kept (KVD_MODEL_CACHE_DIR)",
     )
     p.add_argument(
         "--dtype",
-        default=_env("KVD_DTYPE", ""),
+        default=env_default("KVD_DTYPE", ""),
         help="float64, float32 (CPU default), bfloat16 (GPU default), float16 (KVD_DTYPE)",
     )
     p.add_argument(
-        "--device", default=_env("KVD_ENGINE_DEVICE", "auto"), help="auto, cpu or cuda[:N] (KVD_ENGINE_DEVICE)"
+        "--device", default=env_default("KVD_ENGINE_DEVICE", "auto"), help="auto, cpu or cuda[:N] (KVD_ENGINE_DEVICE)"
     )
     p.add_argument(
         "--kvd-address",
-        default=_env("KVD_ADDRESS", f"unix:{default_socket()}"),
+        default=env_default("KVD_ADDRESS", f"unix:{default_socket()}"),
         help="the daemon: unix:PATH or HOST:PORT (KVD_ADDRESS)",
     )
     p.add_argument(
-        "--listen", default=_env("KVD_ENGINE_ADDR", "127.0.0.1:50052"), help="gRPC address (KVD_ENGINE_ADDR)"
+        "--listen", default=env_default("KVD_ENGINE_ADDR", "127.0.0.1:50052"), help="gRPC address (KVD_ENGINE_ADDR)"
     )
     p.add_argument(
         "--token-budget",
         type=int,
-        default=int(_env("KVD_TOKEN_BUDGET", 512)),
+        default=int(env_default("KVD_TOKEN_BUDGET", 512)),
         help="tokens per step (KVD_TOKEN_BUDGET)",
     )
     p.add_argument(
         "--max-num-seqs",
         type=int,
-        default=int(_env("KVD_MAX_NUM_SEQS", 64)),
+        default=int(env_default("KVD_MAX_NUM_SEQS", 64)),
         help="running sequences (KVD_MAX_NUM_SEQS)",
     )
     p.add_argument(
         "--attention-backend",
-        default=_env("KVD_ATTENTION_BACKEND", "auto"),
+        default=env_default("KVD_ATTENTION_BACKEND", "auto"),
         help="auto (flash-attn on GPU when installed, else torch), torch, flash-attn (KVD_ATTENTION_BACKEND)",
     )
     p.add_argument(
         "--no-prefix-caching",
         action="store_true",
-        default=_env("KVD_NO_PREFIX_CACHING", "") not in ("", "0"),
+        default=env_default("KVD_NO_PREFIX_CACHING", "") not in ("", "0"),
         help="never reuse cached prefixes (KVD_NO_PREFIX_CACHING=1)",
     )
-    p.add_argument("--log-level", default=_env("KVD_LOG_LEVEL", "info"), help="(KVD_LOG_LEVEL)")
+    p.add_argument("--log-level", default=env_default("KVD_LOG_LEVEL", "info"), help="(KVD_LOG_LEVEL)")
     return p
 
 

@@ -37,7 +37,8 @@ def default_socket() -> str:
     return f"/tmp/kvd-{os.getuid()}/kvd.sock"
 
 
-def _env(name: str, default):
+def env_default(name: str, default):
+    """A flag's default: its environment variable when set (read once, here)."""
     return os.environ.get(name, default)
 
 
@@ -48,62 +49,72 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Each flag's environment variable is named in its help; a flag given on the command line wins.",
     )
     net = p.add_argument_group("listening")
-    net.add_argument("--socket", default=_env("KVD_SOCKET", default_socket()), help="unix socket path (KVD_SOCKET)")
     net.add_argument(
-        "--listen", default=_env("KVD_LISTEN", ""), help="also listen on TCP HOST:PORT, e.g. 0.0.0.0:50061 (KVD_LISTEN)"
+        "--socket", default=env_default("KVD_SOCKET", default_socket()), help="unix socket path (KVD_SOCKET)"
+    )
+    net.add_argument(
+        "--listen",
+        default=env_default("KVD_LISTEN", ""),
+        help="also listen on TCP HOST:PORT, e.g. 0.0.0.0:50061 (KVD_LISTEN)",
     )
     net.add_argument(
         "--metrics-port",
         type=int,
-        default=int(_env("KVD_METRICS_PORT", 9401)),
+        default=int(env_default("KVD_METRICS_PORT", 9401)),
         help="Prometheus metrics HTTP port, 0 for none (KVD_METRICS_PORT)",
     )
     cache = p.add_argument_group("cache")
-    cache.add_argument("--block-size", type=int, default=int(_env("KVD_BLOCK_SIZE", 16)), help="(KVD_BLOCK_SIZE)")
+    cache.add_argument(
+        "--block-size", type=int, default=int(env_default("KVD_BLOCK_SIZE", 16)), help="(KVD_BLOCK_SIZE)"
+    )
     cache.add_argument(
         "--num-blocks",
         type=int,
-        default=int(_env("KVD_NUM_BLOCKS", 0)),
+        default=int(env_default("KVD_NUM_BLOCKS", 0)),
         help="0: fill the memory budget (KVD_NUM_BLOCKS)",
     )
     cache.add_argument(
         "--memory-budget",
         type=parse_size,
-        default=parse_size(_env("KVD_MEMORY_BUDGET", "1GiB")),
+        default=parse_size(env_default("KVD_MEMORY_BUDGET", "1GiB")),
         help="cache size when --num-blocks is 0 (KVD_MEMORY_BUDGET)",
     )
     cache.add_argument(
         "--device",
-        default=_env("KVD_DEVICE", "auto"),
+        default=env_default("KVD_DEVICE", "auto"),
         help="auto, cpu or cuda[:N] (KVD_DEVICE); auto picks cuda if present",
     )
-    cache.add_argument("--shm-dir", default=_env("KVD_SHM_DIR", "/dev/shm"), help="shared-memory folder (KVD_SHM_DIR)")
+    cache.add_argument(
+        "--shm-dir", default=env_default("KVD_SHM_DIR", "/dev/shm"), help="shared-memory folder (KVD_SHM_DIR)"
+    )
     cache.add_argument(
         "--max-pinned-fraction",
         type=float,
-        default=float(_env("KVD_MAX_PINNED_FRACTION", 0.5)),
+        default=float(env_default("KVD_MAX_PINNED_FRACTION", 0.5)),
         help="share of blocks pins may hold (KVD_MAX_PINNED_FRACTION)",
     )
     cache.add_argument(
         "--lease-s",
         type=float,
-        default=float(_env("KVD_LEASE_S", 5.0)),
+        default=float(env_default("KVD_LEASE_S", 5.0)),
         help="release a session not heard from for this long (KVD_LEASE_S)",
     )
     cache.add_argument(
         "--no-prefix-caching",
         action="store_true",
-        default=_env("KVD_NO_PREFIX_CACHING", "") not in ("", "0"),
+        default=env_default("KVD_NO_PREFIX_CACHING", "") not in ("", "0"),
         help="never serve cache hits (KVD_NO_PREFIX_CACHING=1)",
     )
     model = p.add_argument_group("layout (optional: otherwise the first engine's model decides)")
-    model.add_argument("--num-layers", type=int, default=int(_env("KVD_NUM_LAYERS", 0)), help="(KVD_NUM_LAYERS)")
-    model.add_argument("--num-kv-heads", type=int, default=int(_env("KVD_NUM_KV_HEADS", 0)), help="(KVD_NUM_KV_HEADS)")
-    model.add_argument("--head-dim", type=int, default=int(_env("KVD_HEAD_DIM", 0)), help="(KVD_HEAD_DIM)")
+    model.add_argument("--num-layers", type=int, default=int(env_default("KVD_NUM_LAYERS", 0)), help="(KVD_NUM_LAYERS)")
     model.add_argument(
-        "--dtype", default=_env("KVD_DTYPE", "float32"), help="cache dtype with --num-layers (KVD_DTYPE)"
+        "--num-kv-heads", type=int, default=int(env_default("KVD_NUM_KV_HEADS", 0)), help="(KVD_NUM_KV_HEADS)"
     )
-    p.add_argument("--log-level", default=_env("KVD_LOG_LEVEL", "info"), help="(KVD_LOG_LEVEL)")
+    model.add_argument("--head-dim", type=int, default=int(env_default("KVD_HEAD_DIM", 0)), help="(KVD_HEAD_DIM)")
+    model.add_argument(
+        "--dtype", default=env_default("KVD_DTYPE", "float32"), help="cache dtype with --num-layers (KVD_DTYPE)"
+    )
+    p.add_argument("--log-level", default=env_default("KVD_LOG_LEVEL", "info"), help="(KVD_LOG_LEVEL)")
     return p
 
 
