@@ -7,14 +7,7 @@ from dataclasses import dataclass
 
 from kvd.block import Block
 from kvd.block_pool import BlockPool
-from kvd.hashing import (
-    ROOT_HASH,
-    DigestMemo,
-    chain_block_hashes,
-    encode_extra_keys,
-    sequence_block_hashes,
-    token_bytes,
-)
+from kvd.hashing import ROOT_HASH, chain_block_hashes, encode_extra_keys, sequence_block_hashes, token_bytes
 from kvd.request import Request
 
 
@@ -53,7 +46,6 @@ class KVCacheManager:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.pool = pool
         self.block_size = block_size
-        self.digests = DigestMemo()
         # Prompt blocks a running request has been admitted to compute, by
         # hash: a newcomer whose next block is one of these waits for it to be
         # committed instead of computing a duplicate (a burst of requests with
@@ -76,7 +68,7 @@ class KVCacheManager:
             raise ValueError(f"request {request_id!r}: token_ids is empty")
         extra = encode_extra_keys(cache_salt, extra_keys)
         tokens = list(token_ids)
-        hashes = sequence_block_hashes(tokens, self.block_size, extra, self.digests)
+        hashes = sequence_block_hashes(tokens, self.block_size, extra)
         return Request(request_id=request_id, token_ids=tokens, extra=extra, block_hashes=hashes)
 
     def lookup(self, block_hashes: Sequence[bytes]) -> int:
@@ -199,7 +191,6 @@ class KVCacheManager:
                     request.extra,
                     parent=parent,
                     start_block=len(hashes),
-                    memo=self.digests,
                 )
             )
         start = request.num_indexed_blocks

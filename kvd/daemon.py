@@ -270,8 +270,7 @@ class Daemon:
 
     def _hashes(self, token_ids: Sequence[int], cache_salt: bytes, extra_keys: Sequence[bytes]) -> list[bytes]:
         extra = encode_extra_keys(cache_salt, extra_keys)
-        memo = self.manager.digests if self.manager is not None else None
-        return sequence_block_hashes(token_ids, self.config.block_size, extra, memo)
+        return sequence_block_hashes(token_ids, self.config.block_size, extra)
 
     # ------------------------------------------------------------- events
 

@@ -57,45 +57,12 @@ def token_bytes(token_ids: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
-class DigestMemo:
-    """Recent block digests by their exact input bytes.
-
-    Requests that share a prefix hash the same bytes (parent ‖ extra ‖ tokens)
-    again and again; a dict lookup on those bytes costs a fraction of a
-    sha256. Keys are the full input, compared byte for byte, so a memo hit is
-    the digest sha256 would give. Bounded: the oldest entries go first.
-
-    Args:
-        capacity: entries kept (about 170 bytes each).
-    """
-
-    def __init__(self, capacity: int = 1 << 16) -> None:
-        if capacity < 1:
-            raise ValueError(f"capacity must be >= 1, got {capacity}")
-        self.capacity = capacity
-        self._digests: dict[bytes, bytes] = {}
-
-    def __len__(self) -> int:
-        return len(self._digests)
-
-    def digest(self, data: bytes) -> bytes:
-        found = self._digests.get(data)
-        if found is None:
-            found = _sha256(data).digest()
-            digests = self._digests
-            if len(digests) >= self.capacity:
-                del digests[next(iter(digests))]  # dicts keep insertion order: the oldest
-            digests[data] = found
-        return found
-
-
 def chain_block_hashes(
     token_ids: Sequence[int],
     block_size: int,
     extra: bytes,
     parent: bytes = ROOT_HASH,
     start_block: int = 0,
-    memo: DigestMemo | None = None,
 ) -> list[bytes]:
     """Hashes the full blocks of ``token_ids`` from ``start_block`` on.
 
@@ -105,7 +72,6 @@ def chain_block_hashes(
         extra: ``encode_extra_keys(...)`` of the request.
         parent: the hash of block ``start_block - 1`` (``ROOT_HASH`` for 0).
         start_block: the first block to hash.
-        memo: reuses digests of block inputs seen before (same result).
 
     Returns:
         One 32-byte digest per full block from ``start_block`` on.
@@ -116,27 +82,19 @@ def chain_block_hashes(
     data = token_bytes(token_ids[start_block * block_size : num_full * block_size])
     width = 4 * block_size
     hashes = []
-    if memo is None:
-        for offset in range(0, len(data), width):
-            parent = _sha256(parent + extra + data[offset : offset + width]).digest()
-            hashes.append(parent)
-    else:
-        digest = memo.digest
-        for offset in range(0, len(data), width):
-            parent = digest(parent + extra + data[offset : offset + width])
-            hashes.append(parent)
+    for offset in range(0, len(data), width):
+        parent = _sha256(parent + extra + data[offset : offset + width]).digest()
+        hashes.append(parent)
     return hashes
 
 
-def sequence_block_hashes(
-    token_ids: Sequence[int], block_size: int, extra: bytes, memo: DigestMemo | None = None
-) -> list[bytes]:
+def sequence_block_hashes(token_ids: Sequence[int], block_size: int, extra: bytes) -> list[bytes]:
     """Validates every token id of a sequence and hashes its full blocks.
 
     Raises:
         ValueError: a token id that is not an integer in [0, 2**32).
     """
-    hashes = chain_block_hashes(token_ids, block_size, extra, memo=memo)
+    hashes = chain_block_hashes(token_ids, block_size, extra)
     tail = token_ids[len(hashes) * block_size :]
     if len(tail):  # the full blocks were validated by hashing them
         token_bytes(tail)

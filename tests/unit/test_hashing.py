@@ -178,14 +178,3 @@ def test_boundary_token_ids_are_accepted():
 def test_a_bytes_token_sequence_hashes_like_the_list_of_its_values():
     tokens = bytes(range(8))
     assert chain_block_hashes(tokens, BS, NO_EXTRA) == chain_block_hashes(list(tokens), BS, NO_EXTRA)
-
-
-def test_the_digest_memo_gives_sha256s_own_digests_and_stays_bounded():
-    from kvd.hashing import DigestMemo
-
-    memo = DigestMemo(capacity=8)
-    extra = encode_extra_keys(b"salt")
-    prompts = [[7] * 32 + [i] * 32 for i in range(6)]  # a shared prefix, then distinct blocks
-    for tokens in prompts + prompts:  # second pass: served from the memo
-        assert chain_block_hashes(tokens, 16, extra, memo=memo) == chain_block_hashes(tokens, 16, extra)
-    assert len(memo) == 8
