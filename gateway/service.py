@@ -7,6 +7,7 @@ reused exactly). Every request carries its tenant's cache salt.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Iterator
@@ -43,16 +44,12 @@ _STATUS_BY_ERROR: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
 
 
 def _unary(method):
-    """Maps store and argument errors, and engine errors, to gRPC statuses."""
+    """Runs a unary method under ``_statuses``."""
 
     @functools.wraps(method)
     def wrapper(self: GatewayService, request, context):
-        try:
+        with self._statuses(context):
             return method(self, request, context)
-        except grpc.RpcError as err:  # from the engine
-            context.abort(*self.engine.error(err))
-        except tuple(e for e, _ in _STATUS_BY_ERROR) as exc:
-            context.abort(next(c for e, c in _STATUS_BY_ERROR if isinstance(exc, e)), str(exc))
 
     return wrapper
 
@@ -63,6 +60,16 @@ class GatewayService(pb_grpc.GatewayServicer):
         self.engine = engine
         self.keeper = keeper
         self.auth = auth
+
+    @contextlib.contextmanager
+    def _statuses(self, context):
+        """Aborts the call with the status of a store, argument or engine error."""
+        try:
+            yield
+        except grpc.RpcError as err:  # from the engine
+            context.abort(*self.engine.error(err))
+        except tuple(e for e, _ in _STATUS_BY_ERROR) as exc:
+            context.abort(next(c for e, c in _STATUS_BY_ERROR if isinstance(exc, e)), str(exc))
 
     # --------------------------------------------------------- generation
 
@@ -99,17 +106,9 @@ class GatewayService(pb_grpc.GatewayServicer):
             else:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: give text, chat messages or token ids")
             return out, 0
-        try:
+        with self._statuses(context):
             template = self.store.get(tenant, request.template)
             prompt = self._prompt_ids(request, kind)
-        except TemplateNotFound as exc:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-        except StoreUnavailable as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except grpc.RpcError as err:
-            context.abort(*self.engine.error(err))
         out.token_ids.ids.extend(template.token_ids + prompt)
         return out, len(template.token_ids)
 
