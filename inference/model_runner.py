@@ -135,9 +135,7 @@ class ModelRunner:
         positions = prefix * bs + torch.arange(width, device=dev)[None, :]
         valid = positions < torch.tensor(context_lens, device=dev)[decodes][:, None]
         widest = max(len(tables[i]) for i in decodes)
-        padded = torch.zeros(len(decodes), widest, dtype=torch.long, device=dev)
-        for row, i in enumerate(decodes):
-            padded[row, : len(tables[i])] = torch.tensor(tables[i], dtype=torch.long)
+        padded = torch.tensor([tables[i] + [0] * (widest - len(tables[i])) for i in decodes], device=dev)
         block_index = torch.where(valid, positions // bs, 0)
         batch = DecodeBatch(
             rows=torch.tensor([query_start[i] for i in decodes], dtype=torch.long, device=dev),

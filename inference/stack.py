@@ -1,25 +1,25 @@
 """`kvd-serve`: the whole stack on its defaults, as child processes.
 
-Starts the daemon, the engine and the gateway, prints where to reach them, stops all of them on Ctrl-C, and if one dies,
-stops the others with a message naming it. Each child keeps its own flags and
-environment variables; this only supervises.
+Starts the daemon, the engine and the gateway, prints where to reach them,
+stops all of them on Ctrl-C, and if one dies, stops the others with a message
+naming it. Each child keeps its own flags and environment variables; this only
+supervises.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import subprocess
 import sys
 import time
 
-from kvd.cli import default_socket
+from kvd.cli import default_socket, env_default
 
 
 def _children(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     python = sys.executable
-    socket_path = os.environ.get("KVD_SOCKET", default_socket())
+    socket_path = env_default("KVD_SOCKET", default_socket())
     return [
         ("kvd", [python, "-m", "kvd.cli", "--socket", socket_path]),
         ("engine", [python, "-m", "inference.cli", "--kvd-address", f"unix:{socket_path}", "--listen", args.engine]),
@@ -31,12 +31,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvd-serve", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--engine",
-        default=os.environ.get("KVD_ENGINE_ADDR", "127.0.0.1:50052"),
+        default=env_default("KVD_ENGINE_ADDR", "127.0.0.1:50052"),
         help="engine address (KVD_ENGINE_ADDR)",
     )
     parser.add_argument(
         "--gateway",
-        default=os.environ.get("KVD_GATEWAY_ADDR", "127.0.0.1:50051"),
+        default=env_default("KVD_GATEWAY_ADDR", "127.0.0.1:50051"),
         help="the public gateway's address (KVD_GATEWAY_ADDR)",
     )
     args = parser.parse_args(argv)
