@@ -51,28 +51,47 @@ def stop_process(process: subprocess.Popen, sig: int, timeout_s: float) -> int:
     return process.returncode
 
 
-@dataclass
-class DaemonProcess:
-    """A `kvd` daemon running as a subprocess on its own socket and shm dir."""
+@dataclass(kw_only=True)
+class ChildProcess:
+    """A subprocess of the suite, its output in ``log_path``."""
 
     process: subprocess.Popen
-    socket_path: str
-    shm_dir: str
-    metrics_port: int
     log_path: Path
-
-    @property
-    def address(self) -> str:
-        return f"unix:{self.socket_path}"
-
-    def client(self) -> DaemonClient:
-        return DaemonClient.connect(self.address)
+    address: str
+    stop_timeout_s = 15.0
 
     def log(self) -> str:
         return self.log_path.read_text() if self.log_path.exists() else ""
 
-    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> int:
-        return stop_process(self.process, sig, timeout_s)
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float | None = None) -> int:
+        return stop_process(self.process, sig, self.stop_timeout_s if timeout_s is None else timeout_s)
+
+
+def spawn(cmd: list[str], log_path: Path) -> subprocess.Popen:
+    with open(log_path, "a") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+
+
+def serving_or_killed(child: ChildProcess, what: str, timeout_s: float) -> None:
+    """Waits until ``child`` serves; kills it, with its log in the error, if it does not."""
+    try:
+        wait_serving(child.address, timeout_s=timeout_s, process=child.process)
+    except Exception:
+        child.stop(signal.SIGKILL)
+        raise RuntimeError(f"{what} did not start: {child.log()}") from None
+
+
+@dataclass(kw_only=True)
+class DaemonProcess(ChildProcess):
+    """A `kvd` daemon running as a subprocess on its own socket and shm dir."""
+
+    socket_path: str
+    shm_dir: str
+    metrics_port: int
+    stop_timeout_s = 10.0
+
+    def client(self) -> DaemonClient:
+        return DaemonClient.connect(self.address)
 
 
 def wait_serving(address: str, timeout_s: float = 20.0, process: subprocess.Popen | None = None) -> None:
@@ -132,14 +151,15 @@ def start_daemon(args: list[str], workdir: str) -> DaemonProcess:
         str(metrics_port),
         *args,
     ]
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    daemon = DaemonProcess(process, socket_path, shm_dir, metrics_port, log_path)
-    try:
-        wait_serving(daemon.address, process=process)
-    except Exception:
-        daemon.stop(signal.SIGKILL)
-        raise RuntimeError(f"daemon did not start: {daemon.log()}") from None
+    daemon = DaemonProcess(
+        process=spawn(cmd, log_path),
+        log_path=log_path,
+        address=f"unix:{socket_path}",
+        socket_path=socket_path,
+        shm_dir=shm_dir,
+        metrics_port=metrics_port,
+    )
+    serving_or_killed(daemon, "daemon", 20)
     return daemon
 
 
@@ -180,20 +200,11 @@ def daemon(daemon_factory) -> DaemonProcess:
 # ------------------------------------------------------------------ engines
 
 
-@dataclass
-class EngineProcess:
+@dataclass(kw_only=True)
+class EngineProcess(ChildProcess):
     """A `kvd-engine` subprocess attached to a daemon."""
 
-    process: subprocess.Popen
-    address: str
-    log_path: Path
     daemon: DaemonProcess
-
-    def log(self) -> str:
-        return self.log_path.read_text() if self.log_path.exists() else ""
-
-    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> int:
-        return stop_process(self.process, sig, timeout_s)
 
 
 def start_engine(
@@ -202,15 +213,11 @@ def start_engine(
     port = port or free_port()
     log_path = Path(workdir) / f"engine-{port}.log"
     cmd = [sys.executable, "-m", "inference.cli", "--kvd-address", daemon.address, "--listen", f"127.0.0.1:{port}"]
-    with open(log_path, "w") as log:
-        process = subprocess.Popen([*cmd, *args], stdout=log, stderr=subprocess.STDOUT)
-    engine = EngineProcess(process, f"127.0.0.1:{port}", log_path, daemon)
+    engine = EngineProcess(
+        process=spawn([*cmd, *args], log_path), log_path=log_path, address=f"127.0.0.1:{port}", daemon=daemon
+    )
     if wait:
-        try:
-            wait_serving(engine.address, timeout_s=180, process=process)
-        except Exception:
-            engine.stop(signal.SIGKILL)
-            raise RuntimeError(f"engine did not start: {engine.log()}") from None
+        serving_or_killed(engine, "engine", 180)
     return engine
 
 
@@ -253,20 +260,9 @@ def stack_factory(daemon_factory, workdir, model_dir):
 # ----------------------------------------------------------------- gateways
 
 
-@dataclass
-class GatewayProcess:
+@dataclass(kw_only=True)
+class GatewayProcess(ChildProcess):
     """A `kvd-gateway` subprocess in front of one engine."""
-
-    process: subprocess.Popen
-    address: str
-    log_path: Path
-    args: list[str]
-
-    def log(self) -> str:
-        return self.log_path.read_text() if self.log_path.exists() else ""
-
-    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> int:
-        return stop_process(self.process, sig, timeout_s)
 
 
 def start_gateway(
@@ -277,16 +273,9 @@ def start_gateway(
     log_path = Path(workdir) / f"gateway-{port}.log"
     cmd = [sys.executable, "-m", "gateway.cli", "--listen", f"127.0.0.1:{port}", "--engine", engine_address]
     cmd += ["--keeper-interval-s", "0.2", *args]
-    with open(log_path, "a") as log:
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    gateway = GatewayProcess(process, f"127.0.0.1:{port}", log_path, list(args))
-    if not wait:
-        return gateway
-    try:
-        wait_serving(gateway.address, timeout_s=60, process=process)
-    except Exception:
-        gateway.stop(signal.SIGKILL)
-        raise RuntimeError(f"gateway did not start: {gateway.log()}") from None
+    gateway = GatewayProcess(process=spawn(cmd, log_path), log_path=log_path, address=f"127.0.0.1:{port}")
+    if wait:
+        serving_or_killed(gateway, "gateway", 60)
     return gateway
 
 
