@@ -400,7 +400,7 @@ class GatewayProcess(ChildProcess):
         self.address = f"127.0.0.1:{free_port()}"
         self.log_path = workdir / "gateway.log"
         self.command = [
-            sys.executable, "-m", "gateway.cli", "--listen", self.address, "--engine", engine_address,
+            sys.executable, "-m", "gateway.cli", "--listen", self.address, "--engines", engine_address,
             "--data-dir", str(workdir / "gateway-data"), *args,
         ]  # fmt: skip
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -40,7 +40,7 @@ class GatewaySettings:
     """
 
     listen: str = "127.0.0.1:50051"
-    engine: str = "127.0.0.1:50052"
+    engines: list[str] = field(default_factory=lambda: ["127.0.0.1:50052"])
     redis_url: str = ""
     data_dir: Path | None = None
     redis_prefix: str = "kvd:"
@@ -52,6 +52,9 @@ class GatewaySettings:
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TLS needs both --tls-cert and --tls-key")
+        if len(self.engines) != 1:
+            # Routing across replicas is not built yet: one engine per gateway.
+            raise ValueError(f"one engine address expected, got {self.engines}")
         if self.keeper_interval_s <= 0:
             raise ValueError(f"keeper_interval_s must be > 0, got {self.keeper_interval_s}")
 
@@ -61,7 +64,7 @@ class GatewayApp:
         self.settings = settings
         self.redis = redis_conn.connect(settings.redis_url, settings.data_dir or default_data_dir())
         self.store = TemplateStore(self.redis, settings.redis_prefix)
-        self.engine = EngineLink(settings.engine)
+        self.engine = EngineLink(settings.engines[0])
         self.auth = Authenticator(self._key_store())
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="gateway-rpc"))
         self.health = health.HealthServicer()
@@ -106,7 +109,7 @@ class GatewayApp:
         s = self.settings
         log.info(
             "gateway serving",
-            extra={"listen": s.listen, "engine": s.engine, "redis": redis_conn.describe(self.redis),
+            extra={"listen": s.listen, "engines": s.engines, "redis": redis_conn.describe(self.redis),
                    "tls": s.tls_cert is not None},
         )  # fmt: skip
         if self.auth.single_user:

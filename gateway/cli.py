@@ -50,7 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--listen", default=env_default("KVD_GATEWAY_ADDR", "127.0.0.1:50051"), help="(KVD_GATEWAY_ADDR)")
     p.add_argument(
-        "--engine", default=env_default("KVD_ENGINE_ADDR", "127.0.0.1:50052"), help="engine HOST:PORT (KVD_ENGINE_ADDR)"
+        "--engines",
+        "--engine",
+        dest="engines",
+        default=env_default("KVD_ENGINES", "127.0.0.1:50052"),
+        help="engine replicas, comma-separated HOST:PORT; dns:NAME:PORT stands for every address NAME resolves to"
+        " (KVD_ENGINES)",
     )
     _common(p)
     p.add_argument(
@@ -106,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = GatewaySettings(
             listen=args.listen,
-            engine=args.engine,
+            engines=[e.strip() for e in args.engines.split(",") if e.strip()],
             redis_url=args.redis_url,
             data_dir=Path(args.data_dir) if args.data_dir else None,
             redis_prefix=args.redis_prefix,

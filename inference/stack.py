@@ -23,7 +23,7 @@ def _children(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     return [
         ("kvd", [python, "-m", "kvd.cli", "--socket", socket_path]),
         ("engine", [python, "-m", "inference.cli", "--kvd-address", f"unix:{socket_path}", "--listen", args.engine]),
-        ("gateway", [python, "-m", "gateway.cli", "--listen", args.gateway, "--engine", args.engine]),
+        ("gateway", [python, "-m", "gateway.cli", "--listen", args.gateway, "--engines", args.engine]),
     ]
 
 

@@ -271,7 +271,7 @@ def start_gateway(
     """Starts a gateway and (with ``wait``) waits until it serves: its engine answers."""
     port = port or free_port()
     log_path = Path(workdir) / f"gateway-{port}.log"
-    cmd = [sys.executable, "-m", "gateway.cli", "--listen", f"127.0.0.1:{port}", "--engine", engine_address]
+    cmd = [sys.executable, "-m", "gateway.cli", "--listen", f"127.0.0.1:{port}", "--engines", engine_address]
     cmd += ["--keeper-interval-s", "0.2", *args]
     gateway = GatewayProcess(process=spawn(cmd, log_path), log_path=log_path, address=f"127.0.0.1:{port}")
     if wait:
