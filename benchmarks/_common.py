@@ -13,7 +13,6 @@ import json
 import math
 import os
 import platform
-import shutil
 import signal
 import subprocess
 import sys
@@ -210,17 +209,6 @@ def bar_chart(
 # ---------------------------------------------------------------- daemon
 
 
-def kvd_executable() -> str:
-    """The ``kvd`` entry point of the running interpreter's environment."""
-    candidate = Path(sys.executable).parent / "kvd"
-    if candidate.exists():
-        return str(candidate)
-    found = shutil.which("kvd")
-    if found is None:
-        raise FileNotFoundError("no kvd executable next to the interpreter or on PATH; install the project first")
-    return found
-
-
 class ChildProcess:
     """A subprocess with its output in a log file; stopped with SIGTERM (SIGKILL
     if it lingers). Subclasses set ``command`` and ``log_path`` and wait for
@@ -283,7 +271,7 @@ class KvdProcess(ChildProcess):
         self.workdir = Path(workdir)
         self.socket = str(self.workdir / f"{name}.sock")
         self.log_path = self.workdir / f"{name}.log"
-        self.command = [kvd_executable(), "--socket", self.socket, "--shm-dir", str(self.workdir), *args]
+        self.command = [sys.executable, "-m", "kvd.cli", "--socket", self.socket, "--shm-dir", str(self.workdir), *args]
         self.ready_timeout_s = ready_timeout_s
         self.startup_s = math.nan
 

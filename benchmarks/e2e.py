@@ -1,6 +1,7 @@
 """End-to-end benchmark: a shared-prefix workload through four ways of serving it.
 
-SmolLM2-135M-Instruct, float32, on the CPU. The workload (seeded, real text):
+SmolLM2-135M-Instruct, float32, on the CPU (``--device cuda`` with a model
+folder: the GPU run, see benchmarks/gpu_e2e.sh). The workload (seeded, real text):
 16 requests, each one ~600-token document prefix (the same for all) + a
 distinct ~40-token question, 32 greedy new tokens (EOS disabled), all
 submitted at once (t = 0). Four variants, side by side in one run:
@@ -309,7 +310,7 @@ class FirstTokenTimer:
 
 
 def hf_greedy(model, prompt: list[int], new_tokens: int, streamer=None) -> list[int]:
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     out = model.generate(
         ids,
         attention_mask=torch.ones_like(ids),  # else prompt tokens equal to the pad id are masked out
@@ -545,16 +546,16 @@ def run_warm_cold(stub, w: Workload, new_tokens: int) -> dict[str, Any]:
 
 def run_engine(
     name: str, w: Workload, new_tokens: int, model_path: Path, num_blocks: int, prefix_caching: bool, workdir: str,
-    warm_cold_new_tokens: int, launched: list[dict[str, Any]],
+    warm_cold_new_tokens: int, launched: list[dict[str, Any]], device: str, dtype: str,
 ) -> tuple[Run, dict[str, Any] | None]:  # fmt: skip
     """A fresh daemon and engine for one variant; both are stopped on the way out."""
     folder = os.path.join(workdir, name)
     os.makedirs(folder, exist_ok=True)
     daemon_flags = [
         "--metrics-port", "0", "--block-size", str(BLOCK_SIZE), "--num-blocks", str(num_blocks),
-        "--device", "cpu", "--log-level", "warning",
+        "--device", device, "--log-level", "warning",
     ]  # fmt: skip
-    engine_flags = ["--model", str(model_path), "--dtype", "float32", "--device", "cpu"]
+    engine_flags = ["--model", str(model_path), "--dtype", dtype, "--device", device]
     engine_flags += ["--token-budget", str(TOKEN_BUDGET)]
     if not prefix_caching:
         engine_flags.append("--no-prefix-caching")
@@ -702,12 +703,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--logs", help="copy the daemons' and engines' logs into this folder")
     p.add_argument("--model", default="smollm2", help="'smollm2' or a local Hugging Face folder")
+    p.add_argument("--device", default="cpu", help="cpu or cuda: the daemon's cache, the engine and the hf baselines")
+    p.add_argument("--dtype", default="", help="default: float32 on cpu, bfloat16 on cuda")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset to run (default: all four)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     sizes = dict(QUICK if args.quick else FULL)
     chosen = [v for v in VARIANTS if v in args.variants.split(",")]
     started = time.perf_counter()
@@ -730,7 +734,7 @@ def main(argv: list[str] | None = None) -> int:
     launched: list[dict[str, Any]] = []
     model = None
     if "hf_generate" in chosen or "hf_continuous_batching" in chosen:
-        model = model_store.load_model(model_path, torch.float32, "cpu")
+        model = model_store.load_model(model_path, getattr(torch, dtype), args.device)
     workdir = tempfile.mkdtemp(prefix="kvd-e2e-", dir="/tmp")  # short: unix socket paths are limited
     try:
         for variant in chosen:
@@ -743,7 +747,7 @@ def main(argv: list[str] | None = None) -> int:
                     caching = variant == "kvd"
                     run, warm_cold = run_engine(
                         variant, w, sizes["new_tokens"], model_path, num_blocks, caching, workdir,
-                        sizes["warm_cold_new_tokens"], launched,
+                        sizes["warm_cold_new_tokens"], launched, args.device, dtype,
                     )  # fmt: skip
                     runs[variant] = run
                     if warm_cold is not None:
@@ -791,8 +795,8 @@ def main(argv: list[str] | None = None) -> int:
             **w.params,
             "model": args.model,
             "model_path": str(model_path),
-            "dtype": "float32",
-            "device": "cpu",
+            "dtype": dtype,
+            "device": args.device,
             "transformers": transformers.__version__,
             "greedy": True,
             "eos": "disabled (eos_token_id=None / ignore_eos)",
@@ -830,7 +834,9 @@ def main(argv: list[str] | None = None) -> int:
             ],
             "mean TTFT": [results[v]["ttft_mean_s"] / results["hf_generate"]["ttft_mean_s"] for v in shown],
         }
-        if common.bar_chart(args.plot, shown, series, "x hf_generate", "e2e shared-prefix workload (SmolLM2, CPU)"):
+        if common.bar_chart(
+            args.plot, shown, series, "x hf_generate", f"e2e shared-prefix workload ({args.model}, {args.device})"
+        ):
             common.log(f"plot written to {args.plot}")
     common.log(f"results written to {args.json} in {report['total_s']}s")
     return 1 if failed else 0
