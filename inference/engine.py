@@ -158,6 +158,8 @@ class Engine:
         chunks, seqs = self.scheduler.apply(out)
         if not chunks:
             return
+        if out.copy_events:  # host-tier blocks still being copied into the cache (CUDA)
+            self.runner.wait_for_copies(out.copy_events)
         logits = self.runner.forward(chunks)
         sampling = []
         for chunk, seq in zip(chunks, seqs, strict=True):

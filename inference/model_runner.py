@@ -53,6 +53,13 @@ class ModelRunner:
         self.block_size = block_size
         self.device = next(model.parameters()).device
 
+    def wait_for_copies(self, event_handles: list[bytes]) -> None:
+        """Makes this process's stream wait for the daemon's copies into the
+        cache (interprocess CUDA events), so the next forward reads their bytes."""
+        stream = torch.cuda.current_stream(self.kv_cache.device)
+        for handle in event_handles:
+            stream.wait_event(torch.cuda.Event.from_ipc_handle(self.kv_cache.device, handle))
+
     @torch.inference_mode()
     def forward(self, chunks: list[Chunk]) -> torch.Tensor:
         """Computes the chunks' K/V into the cache.

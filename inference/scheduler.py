@@ -120,6 +120,7 @@ class Scheduler:
                 seq.num_computed = s.first_position
                 if seq.num_cached_prompt < 0:
                     seq.num_cached_prompt = min(s.num_cached_tokens, len(seq.prompt_ids))
+                    seq.num_host_cached_prompt = min(s.num_host_cached_tokens, seq.num_cached_prompt)
             end = s.first_position + s.num_scheduled_tokens
             chunks.append(
                 Chunk(

@@ -60,6 +60,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0
     num_cached_prompt: int = -1  # -1 until first admitted
+    num_host_cached_prompt: int = 0  # of num_cached_prompt, copied back from the host tier
     generator: torch.Generator | None = None
     arrival_s: float = field(default_factory=time.monotonic)
     first_token_s: float | None = None

@@ -234,6 +234,7 @@ def usage(seq: Sequence) -> pb.Usage:
     return pb.Usage(
         prompt_tokens=len(seq.prompt_ids),
         cached_prompt_tokens=max(seq.num_cached_prompt, 0),
+        host_cached_prompt_tokens=seq.num_host_cached_prompt,
         completion_tokens=len(seq.output_ids),
         time_to_first_token_s=ttft,
     )

@@ -8,15 +8,21 @@ from dataclasses import dataclass
 from kvd.block import Block
 from kvd.free_queue import FreeBlockQueue
 
+#: The tiers a block can be stored in (events name them).
+DEVICE = "device"
+HOST = "host"
+
 
 @dataclass(frozen=True, slots=True)
 class BlockStored:
     block_hashes: tuple[bytes, ...]
+    tier: str = DEVICE
 
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
     block_hashes: tuple[bytes, ...]
+    tier: str = DEVICE
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +94,7 @@ class BlockPool:
         blocks = self.free_queue.popleft_n(n)
         evicted = []
         for block in blocks:
+            assert block.pending_copies == 0, f"{block} handed out while a copy reads it"
             if block.block_hash is not None:
                 del self.cached[block.block_hash]
                 evicted.append(block.block_hash)
@@ -127,18 +134,36 @@ class BlockPool:
                 else:
                     queue.append(block)
 
+    # ------------------------------------------------------------- copies
+
+    def hold_for_copy(self, block: Block) -> None:
+        """An outgoing copy starts reading ``block``: it is COPYING until
+        :meth:`copy_finished`, and not handed out even if everyone else lets go."""
+        self.touch((block,))
+        block.pending_copies += 1
+
+    def copy_finished(self, block: Block) -> None:
+        """The copy that :meth:`hold_for_copy` announced is done reading."""
+        assert block.pending_copies > 0, f"{block} has no copy in flight"
+        block.pending_copies -= 1
+        self.release((block,))
+
     # ------------------------------------------------------------ caching
 
-    def cache_blocks(self, blocks: Sequence[Block], block_hashes: Sequence[bytes]) -> None:
+    def cache_blocks(self, blocks: Sequence[Block], block_hashes: Sequence[bytes]) -> list[Block]:
         """Indexes full, computed blocks under their hashes.
 
         A block whose content is already indexed (another request computed
         the same prefix concurrently) stays unindexed: duplicates are
         tolerated, the first copy serves future hits.
+
+        Returns:
+            The blocks indexed now (new content, not hits or duplicates).
         """
         if not self.enable_caching:
-            return
+            return []
         stored = []
+        new_blocks = []
         cached = self.cached
         for block, block_hash in zip(blocks, block_hashes, strict=True):
             if block.block_hash is not None:
@@ -149,8 +174,10 @@ class BlockPool:
             block.block_hash = block_hash
             cached[block_hash] = block
             stored.append(block_hash)
+            new_blocks.append(block)
         if stored and self.record_events:
             self._events.append(BlockStored(tuple(stored)))
+        return new_blocks
 
     def reset(self) -> int:
         """Forgets every cached hash. Only allowed when no block is in use.
@@ -171,6 +198,11 @@ class BlockPool:
         if self.record_events:
             self._events.append(AllCleared())
         return cleared
+
+    def record(self, event: BlockEvent) -> None:
+        """Adds another tier's event to the feed, in order with the pool's."""
+        if self.record_events:
+            self._events.append(event)
 
     def take_events(self) -> list[BlockEvent]:
         events, self._events = self._events, []

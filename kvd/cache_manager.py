@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from kvd.block import Block
 from kvd.block_pool import BlockPool
 from kvd.hashing import ROOT_HASH, chain_block_hashes, encode_extra_keys, sequence_block_hashes, token_bytes
+from kvd.host_tier import HostSlot, HostTier
 from kvd.request import Request
 
 
@@ -15,7 +16,8 @@ from kvd.request import Request
 class Admitted:
     """The outcome of a successful admission."""
 
-    num_cached_tokens: int  # block-aligned prefix served by the cache
+    num_cached_tokens: int  # block-aligned prefix served by the cache (both tiers)
+    num_host_cached_tokens: int  # of which copied back from the host tier
     first_position: int  # the first token to compute
     num_scheduled_tokens: int  # tokens to compute in this step
     blocks: list[Block]  # the whole block table, hits first
@@ -41,11 +43,16 @@ class KVCacheManager:
     raise ``ValueError``.
     """
 
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, host: HostTier | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.pool = pool
         self.block_size = block_size
+        self.host = host
+        # Copies the caller must run after this call (see take_copies): new
+        # full blocks to the host tier, host hits back to their new blocks.
+        self.offloads: list[tuple[Block, HostSlot]] = []
+        self.swap_ins: list[tuple[HostSlot, Block]] = []
         # Prompt blocks a running request has been admitted to compute, by
         # hash: a newcomer whose next block is one of these waits for it to be
         # committed instead of computing a duplicate (a burst of requests with
@@ -53,6 +60,7 @@ class KVCacheManager:
         self.inflight: dict[bytes, Request] = {}
         self.query_tokens = 0
         self.hit_tokens = 0
+        self.host_hit_tokens = 0
 
     # ----------------------------------------------------------- lookups
 
@@ -83,7 +91,10 @@ class KVCacheManager:
         Prefix-aware: only uncached tokens count against ``token_budget`` and
         only blocks not already cached count against the pool. A fully cached
         prompt still computes its last token (to get logits), so at most
-        ``len - 1`` tokens are taken from the cache.
+        ``len - 1`` tokens are taken from the cache. Blocks that miss the
+        device but hit the host tier are cached too: they get device blocks,
+        indexed at once, whose bytes are copied back before the engine runs
+        (``swap_ins``); far cheaper than recomputing them.
 
         Returns:
             ``None`` when the budget is spent or the pool cannot hold the
@@ -95,9 +106,11 @@ class KVCacheManager:
         num_tokens = len(request.token_ids)
         hashes = request.block_hashes
         hits = self.pool.match_prefix(hashes)
-        if len(hits) < len(hashes) and hashes[len(hits)] in self.inflight:
+        host_hits = self.host.match(hashes[len(hits) :]) if self.host is not None else []
+        num_hits = len(hits) + len(host_hits)
+        if num_hits < len(hashes) and hashes[num_hits] in self.inflight:
             return DEFERRED
-        num_cached = len(hits) * self.block_size
+        num_cached = num_hits * self.block_size
         first = min(num_cached, num_tokens - 1)
         num_new = min(num_tokens - first, token_budget)
         if num_new <= 0:
@@ -110,17 +123,27 @@ class KVCacheManager:
         self.pool.touch(hits)
         new_blocks = self.pool.allocate(blocks_needed)
         assert new_blocks is not None, "capacity was checked above"
+        if host_hits:
+            self._swap_in(host_hits, new_blocks[: len(host_hits)], hashes[len(hits) : num_hits])
         request.blocks = hits + new_blocks
         request.num_cached_tokens = num_cached
         request.num_computed_tokens = first
         request.num_scheduled_tokens = first + num_new
-        request.num_indexed_blocks = len(hits)
+        request.num_indexed_blocks = num_hits
         inflight = self.inflight
-        for block_hash in hashes[len(hits) :]:
+        for block_hash in hashes[num_hits:]:
             inflight.setdefault(block_hash, request)
+        host_tokens = len(host_hits) * self.block_size
         self.query_tokens += num_tokens
         self.hit_tokens += num_cached
-        return Admitted(num_cached, first, num_new, request.blocks)
+        self.host_hit_tokens += host_tokens
+        return Admitted(num_cached, host_tokens, first, num_new, request.blocks)
+
+    def _swap_in(self, slots: list[HostSlot], blocks: list[Block], block_hashes: Sequence[bytes]) -> None:
+        assert self.host is not None
+        self.host.begin_read(slots)
+        self.pool.cache_blocks(blocks, block_hashes)
+        self.swap_ins.extend(zip(slots, blocks, strict=True))
 
     def append(self, request: Request, num_tokens: int) -> list[Block] | None:
         """Slots for a running request's next ``num_tokens`` tokens.
@@ -194,9 +217,29 @@ class KVCacheManager:
                 )
             )
         start = request.num_indexed_blocks
-        self.pool.cache_blocks(request.blocks[start:full], hashes[start:full])
+        stored = self.pool.cache_blocks(request.blocks[start:full], hashes[start:full])
         request.num_indexed_blocks = full
         self._forget_inflight(request, hashes[start:full])
+        if self.host is not None and stored:
+            self._offload(stored)
+
+    def _offload(self, blocks: list[Block]) -> None:
+        """Reserves host slots for newly cached blocks and holds each block
+        (COPYING) right away: a free later in this same step must not let it
+        be handed out before its bytes were read."""
+        assert self.host is not None
+        for block in blocks:
+            assert block.block_hash is not None
+            slot = self.host.reserve(block.block_hash)
+            if slot is not None:
+                self.pool.hold_for_copy(block)
+                self.offloads.append((block, slot))
+
+    def take_copies(self) -> tuple[list[tuple[Block, HostSlot]], list[tuple[HostSlot, Block]]]:
+        """The copies queued since the last call: (offloads, swap-ins)."""
+        offloads, swap_ins = self.offloads, self.swap_ins
+        self.offloads, self.swap_ins = [], []
+        return offloads, swap_ins
 
     def free(self, request: Request) -> None:
         """Gives back every block of a finished, cancelled or preempted request."""

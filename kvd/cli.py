@@ -105,6 +105,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=env_default("KVD_NO_PREFIX_CACHING", "") not in ("", "0"),
         help="never serve cache hits (KVD_NO_PREFIX_CACHING=1)",
     )
+    tier = p.add_argument_group("host tier (offload to host memory; off by default)")
+    tier.add_argument(
+        "--host-num-blocks",
+        type=int,
+        default=int(env_default("KVD_HOST_NUM_BLOCKS", 0)),
+        help="blocks in the host tier; 0: as many as --host-memory-budget holds (KVD_HOST_NUM_BLOCKS)",
+    )
+    tier.add_argument(
+        "--host-memory-budget",
+        type=parse_size,
+        default=parse_size(env_default("KVD_HOST_MEMORY_BUDGET", "0")),
+        help="host tier size when --host-num-blocks is 0, e.g. 8GiB; 0: no host tier (KVD_HOST_MEMORY_BUDGET)",
+    )
     model = p.add_argument_group("layout (optional: otherwise the first engine's model decides)")
     model.add_argument("--num-layers", type=int, default=int(env_default("KVD_NUM_LAYERS", 0)), help="(KVD_NUM_LAYERS)")
     model.add_argument(
@@ -143,6 +156,8 @@ def _config_from_args(args: argparse.Namespace):
         lease_s=args.lease_s,
         enable_caching=not args.no_prefix_caching,
         model_layout=layout,
+        host_num_blocks=args.host_num_blocks,
+        host_memory_budget_bytes=args.host_memory_budget,
     )
 
 

@@ -23,8 +23,10 @@ from kvd.block_pool import BlockEvent, BlockPool
 from kvd.cache_manager import KVCacheManager
 from kvd.errors import PreconditionError
 from kvd.hashing import encode_extra_keys, sequence_block_hashes
+from kvd.host_tier import HostTier
 from kvd.layout import CacheLayout
 from kvd.memory import KVMemory
+from kvd.offload import Offload, SwapIn, TierCopier
 from kvd.pins import PinRegistry
 from kvd.session import Session, SessionRegistry
 from kvd.step import StepInput, StepOutput, run_step
@@ -48,6 +50,8 @@ class DaemonConfig:
         enable_caching: index committed blocks (off: every lookup misses).
         model_layout: create the cache at start with this layout (its
             ``block_size`` is ignored); otherwise at the first attach.
+        host_num_blocks: blocks of the host-memory tier; when 0, as many as
+            ``host_memory_budget_bytes`` holds (0: no host tier).
     """
 
     block_size: int = 16
@@ -59,8 +63,12 @@ class DaemonConfig:
     lease_s: float = 5.0
     enable_caching: bool = True
     model_layout: CacheLayout | None = None
+    host_num_blocks: int = 0
+    host_memory_budget_bytes: int = 0
 
     def __post_init__(self) -> None:
+        if self.host_num_blocks < 0 or self.host_memory_budget_bytes < 0:
+            raise ValueError("the host tier's size must be >= 0")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_blocks < 0:
@@ -87,6 +95,19 @@ class Stats:
     num_sessions: int
     num_requests: int
     num_pins: int
+    num_host_blocks: int = 0
+    num_host_free_blocks: int = 0
+    num_host_cached_blocks: int = 0
+    num_copying_blocks: int = 0
+    num_host_blocks_read: int = 0
+    host_hit_tokens: int = 0
+    host_evictions: int = 0
+    bytes_to_host: int = 0
+    bytes_from_host: int = 0
+    copy_to_host_seconds: float = 0.0
+    copy_from_host_seconds: float = 0.0
+    copy_batches_to_host: int = 0
+    copy_batches_from_host: int = 0
 
 
 class Daemon:
@@ -101,6 +122,8 @@ class Daemon:
         self.pool: BlockPool | None = None
         self.manager: KVCacheManager | None = None
         self.pins: PinRegistry | None = None
+        self.host: HostTier | None = None
+        self.copier: TierCopier | None = None
         self._subscribers: list[queue.SimpleQueue] = []
         if config.model_layout is not None:
             self._create_cache(config.model_layout)
@@ -120,7 +143,11 @@ class Daemon:
         self.memory = KVMemory(layout, num_blocks, cfg.device, cfg.shm_dir)
         self.cache_id = uuid.uuid4().hex
         self.pool = BlockPool(num_blocks, enable_caching=cfg.enable_caching, record_events=True)
-        self.manager = KVCacheManager(self.pool, cfg.block_size)
+        num_host_blocks = cfg.host_num_blocks or (cfg.host_memory_budget_bytes // layout.block_bytes)
+        if num_host_blocks and cfg.enable_caching:
+            self.host = HostTier(num_host_blocks, record=self.pool.record)
+            self.copier = TierCopier(self.memory.tensor, num_host_blocks, self.lock, self._offloaded, self._swapped_in)
+        self.manager = KVCacheManager(self.pool, cfg.block_size, self.host)
         self.pins = PinRegistry(self.pool, int(num_blocks * cfg.max_pinned_fraction))
         # NOTE: the pool's blocks live as long as the daemon; frozen, the cyclic
         # garbage collector stops scanning them (~10 ms per full pass at 128k
@@ -133,6 +160,7 @@ class Daemon:
                 "num_blocks": num_blocks,
                 "bytes": self.memory.nbytes,
                 "device": cfg.device,
+                "host_blocks": num_host_blocks if self.host else 0,
             },
         )
 
@@ -204,15 +232,41 @@ class Daemon:
         with self.lock:
             _, manager, _ = self._ready()
             out = run_step(manager, self.sessions.get(session_id), step)
+            if self.copier is not None:
+                offloads, swap_ins = manager.take_copies()
+                self.copier.copy_out(offloads)
+                self.copier.copy_in(swap_ins)
+                out.copy_events = self.copier.pending_events()
             self._publish()
             return out
 
-    def lookup(self, token_ids: Sequence[int], cache_salt: bytes, extra_keys: Sequence[bytes]) -> list[bytes]:
-        """The hashes of the cached leading blocks of ``token_ids``."""
+    # Called by the copier's worker, under the lock.
+    def _offloaded(self, offloads: Sequence[Offload]) -> None:
+        assert self.pool is not None and self.host is not None
+        for block, slot in offloads:
+            self.pool.copy_finished(block)
+            self.host.written(slot)
+        self._publish()
+
+    def _swapped_in(self, swap_ins: Sequence[SwapIn]) -> None:
+        assert self.host is not None
+        self.host.end_read([slot for slot, _ in swap_ins])
+
+    def drain_copies(self, timeout_s: float = 60.0) -> bool:
+        """Waits until every tier copy submitted so far finished (tests, reset)."""
+        return self.copier is None or self.copier.drain(timeout_s)
+
+    def lookup(
+        self, token_ids: Sequence[int], cache_salt: bytes, extra_keys: Sequence[bytes]
+    ) -> tuple[list[bytes], int]:
+        """The hashes of the leading blocks of ``token_ids`` cached on the
+        device, and how many blocks after them the host tier holds."""
         with self.lock:
             pool, _, _ = self._ready()
             hashes = self._hashes(token_ids, cache_salt, extra_keys)
-            return hashes[: len(pool.match_prefix(hashes))]
+            on_device = len(pool.match_prefix(hashes))
+            on_host = len(self.host.match(hashes[on_device:])) if self.host is not None else 0
+            return hashes[:on_device], on_host
 
     def pin(self, pin_id: str, token_ids: Sequence[int], cache_salt: bytes, extra_keys: Sequence[bytes]) -> int:
         """Pins the cached prefix of ``token_ids``; returns the blocks pinned."""
@@ -228,12 +282,18 @@ class Daemon:
             return pins.unpin(pin_id)
 
     def reset(self) -> int:
+        """Empties both tiers; returns the device blocks whose content was dropped."""
+        self.drain_copies()
         with self.lock:
             pool, _, _ = self._ready()
             try:
+                if self.host is not None and any(s.writing or s.readers for s in self.host.slots):
+                    raise ValueError("tier copies are in flight")
                 cleared = pool.reset()
             except ValueError as exc:
                 raise PreconditionError(f"cannot reset the cache: {exc}") from None
+            if self.host is not None:
+                self.host.clear()
             self._publish()
             return cleared
 
@@ -266,7 +326,29 @@ class Daemon:
                 num_sessions=len(self.sessions.sessions),
                 num_requests=self.sessions.num_requests,
                 num_pins=len(pins.pins) if pins else 0,
+                **self._tier_stats(),
             )
+
+    def _tier_stats(self) -> dict[str, int | float]:
+        host, copier, pool = self.host, self.copier, self.pool
+        if host is None or copier is None or pool is None:
+            return {}
+        c = copier.stats
+        return {
+            "num_host_blocks": host.num_slots,
+            "num_host_free_blocks": host.num_free,
+            "num_host_cached_blocks": len(host.cached),
+            "num_copying_blocks": sum(1 for b in pool.blocks if b.pending_copies),
+            "num_host_blocks_read": sum(1 for s in host.slots if s.readers),
+            "host_hit_tokens": self.manager.host_hit_tokens if self.manager else 0,
+            "host_evictions": host.num_evictions,
+            "bytes_to_host": c.bytes_to_host,
+            "bytes_from_host": c.bytes_from_host,
+            "copy_to_host_seconds": c.seconds_to_host,
+            "copy_from_host_seconds": c.seconds_from_host,
+            "copy_batches_to_host": c.batches_to_host,
+            "copy_batches_from_host": c.batches_from_host,
+        }
 
     def _hashes(self, token_ids: Sequence[int], cache_salt: bytes, extra_keys: Sequence[bytes]) -> list[bytes]:
         extra = encode_extra_keys(cache_salt, extra_keys)
@@ -294,6 +376,9 @@ class Daemon:
                 subscriber.put(events)
 
     def close(self) -> None:
+        if self.copier is not None:
+            self.copier.drain(timeout_s=10)
+            self.copier.close()
         with self.lock:
             for subscriber in self._subscribers:
                 subscriber.put(None)

@@ -31,8 +31,42 @@ class DaemonCollector:
         )
         yield CounterMetricFamily("kvd_prefix_cache_hit_tokens", "Prompt tokens served by the cache", s.hit_tokens)
         yield CounterMetricFamily("kvd_evictions", "Cached blocks evicted for reuse", s.evictions)
+        yield from self._tiers(s)
         yield GaugeMetricFamily("kvd_sessions", "Attached engine sessions", s.num_sessions)
         yield GaugeMetricFamily("kvd_requests", "Requests holding blocks", s.num_requests)
+
+    @staticmethod
+    def _tiers(s):
+        hits = CounterMetricFamily("kvd_tier_hit_tokens", "Prompt tokens served by the cache, by tier", labels=["tier"])
+        hits.add_metric(["device"], s.hit_tokens - s.host_hit_tokens)
+        hits.add_metric(["host"], s.host_hit_tokens)
+        yield hits
+        host = GaugeMetricFamily("kvd_host_blocks", "Host-tier blocks by state", labels=["state"])
+        for state, value in (
+            ("total", s.num_host_blocks),
+            ("free", s.num_host_free_blocks),
+            ("cached", s.num_host_cached_blocks),
+            ("being_read", s.num_host_blocks_read),
+        ):
+            host.add_metric([state], value)
+        yield host
+        yield GaugeMetricFamily(
+            "kvd_copying_blocks", "Device blocks an outgoing copy still reads", s.num_copying_blocks
+        )
+        yield CounterMetricFamily("kvd_host_evictions", "Host-tier blocks evicted for reuse", s.host_evictions)
+        copied = CounterMetricFamily("kvd_tier_copied_bytes", "Bytes copied between tiers", labels=["direction"])
+        seconds = CounterMetricFamily(
+            "kvd_tier_copy_seconds", "Submit-to-finish time of tier copy batches, summed", labels=["direction"]
+        )
+        batches = CounterMetricFamily("kvd_tier_copy_batches", "Tier copy batches finished", labels=["direction"])
+        for direction, nbytes, secs, count in (
+            ("to_host", s.bytes_to_host, s.copy_to_host_seconds, s.copy_batches_to_host),
+            ("from_host", s.bytes_from_host, s.copy_from_host_seconds, s.copy_batches_from_host),
+        ):
+            copied.add_metric([direction], nbytes)
+            seconds.add_metric([direction], secs)
+            batches.add_metric([direction], count)
+        yield from (copied, seconds, batches)
 
 
 class DaemonMetrics:

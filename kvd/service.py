@@ -12,7 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvd import wire
-from kvd.block_pool import AllCleared, BlockEvent, BlockRemoved, BlockStored
+from kvd.block_pool import DEVICE, HOST, AllCleared, BlockEvent, BlockRemoved, BlockStored
 from kvd.daemon import Daemon
 from kvd.errors import CapacityError, NotFoundError, PreconditionError
 from kvd.free_queue import FreeBlockQueue
@@ -104,8 +104,11 @@ class KVDaemonService(pb_grpc.KVDaemonServicer):
 
     @_rpc
     def Lookup(self, request, context):
-        hashes = self.daemon.lookup(list(request.token_ids), request.cache_salt, list(request.extra_keys))
-        return pb.LookupResponse(num_cached_tokens=len(hashes) * self.daemon.config.block_size, block_hashes=hashes)
+        hashes, on_host = self.daemon.lookup(list(request.token_ids), request.cache_salt, list(request.extra_keys))
+        block_size = self.daemon.config.block_size
+        return pb.LookupResponse(
+            num_cached_tokens=len(hashes) * block_size, block_hashes=hashes, num_host_cached_tokens=on_host * block_size
+        )
 
     @_rpc
     def Pin(self, request, context):
@@ -147,11 +150,14 @@ class KVDaemonService(pb_grpc.KVDaemonServicer):
             self.daemon.unsubscribe(subscriber)
 
 
+_TIER_TO_PB = {DEVICE: pb.TIER_DEVICE, HOST: pb.TIER_HOST}
+
+
 def event_to_pb(event: BlockEvent) -> pb.BlockEvent:
     if isinstance(event, BlockStored):
-        return pb.BlockEvent(stored=pb.BlockStored(block_hashes=event.block_hashes))
+        return pb.BlockEvent(stored=pb.BlockStored(block_hashes=event.block_hashes, tier=_TIER_TO_PB[event.tier]))
     if isinstance(event, BlockRemoved):
-        return pb.BlockEvent(removed=pb.BlockRemoved(block_hashes=event.block_hashes))
+        return pb.BlockEvent(removed=pb.BlockRemoved(block_hashes=event.block_hashes, tier=_TIER_TO_PB[event.tier]))
     assert isinstance(event, AllCleared)
     return pb.BlockEvent(all_cleared=pb.AllCleared())
 

@@ -72,6 +72,7 @@ class Scheduled:
     num_scheduled_tokens: int
     num_cached_tokens: int
     new_block_ids: list[int]
+    num_host_cached_tokens: int = 0  # of num_cached_tokens, copied back from the host tier
 
 
 @dataclass(slots=True)
@@ -80,6 +81,9 @@ class StepOutput:
     preempted: list[str] = field(default_factory=list)
     waiting: list[str] = field(default_factory=list)
     num_free_blocks: int = 0
+    # On CUDA: interprocess events of copies into the cache that the engine's
+    # stream must wait for before its forward reads the cache.
+    copy_events: list[bytes] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -171,6 +175,7 @@ def _schedule_waiting(
                 admitted.num_scheduled_tokens,
                 admitted.num_cached_tokens,
                 [b.block_id for b in admitted.blocks],
+                admitted.num_host_cached_tokens,
             )
         )
 

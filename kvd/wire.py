@@ -137,7 +137,9 @@ def step_from_pb(msg: pb.StepRequest) -> StepInput:
 
 
 def step_output_to_pb(out: StepOutput) -> pb.StepResponse:
-    reply = pb.StepResponse(preempted=out.preempted, waiting=out.waiting, num_free_blocks=out.num_free_blocks)
+    reply = pb.StepResponse(
+        preempted=out.preempted, waiting=out.waiting, num_free_blocks=out.num_free_blocks, copy_events=out.copy_events
+    )
     sched = reply.scheduled
     rows = out.scheduled
     sched.request_ids.extend([s.request_id for s in rows])
@@ -147,12 +149,16 @@ def step_output_to_pb(out: StepOutput) -> pb.StepResponse:
     sched.num_cached_tokens.extend([s.num_cached_tokens for s in rows])
     sched.num_new_blocks.extend([len(s.new_block_ids) for s in rows])
     sched.new_block_ids.extend([b for s in rows for b in s.new_block_ids])
+    if any(s.num_host_cached_tokens for s in rows):
+        sched.num_host_cached_tokens.extend([s.num_host_cached_tokens for s in rows])
     return reply
 
 
 def step_output_from_pb(reply: pb.StepResponse) -> StepOutput:
     s = reply.scheduled
     block_ids = s.new_block_ids[:]
+    # Sent only when some request hit the host tier (decode steps skip it).
+    host_tokens = s.num_host_cached_tokens[:] or [0] * len(s.request_ids)
     rows = []
     offset = 0
     for row in zip(
@@ -162,9 +168,10 @@ def step_output_from_pb(reply: pb.StepResponse) -> StepOutput:
         s.num_scheduled_tokens[:],
         s.num_cached_tokens[:],
         s.num_new_blocks[:],
+        host_tokens,
         strict=True,
     ):
         count = row[5]
-        rows.append(Scheduled(*row[:5], block_ids[offset : offset + count]))
+        rows.append(Scheduled(*row[:5], block_ids[offset : offset + count], row[6]))
         offset += count
-    return StepOutput(rows, reply.preempted[:], reply.waiting[:], reply.num_free_blocks)
+    return StepOutput(rows, reply.preempted[:], reply.waiting[:], reply.num_free_blocks, reply.copy_events[:])

@@ -21,6 +21,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvd.client import DaemonClient
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--offload-churn-s",
+        type=float,
+        default=0.0,
+        help="seconds of churn per stack in tests/integration/test_offload.py (default: two rounds)",
+    )
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` run only where CUDA is available (tests/gpu/run.sh)."""
     import torch

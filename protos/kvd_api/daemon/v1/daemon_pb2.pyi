@@ -14,11 +14,18 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_BFLOAT16: _ClassVar[DType]
     DTYPE_FLOAT32: _ClassVar[DType]
     DTYPE_FLOAT64: _ClassVar[DType]
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_DEVICE: _ClassVar[Tier]
+    TIER_HOST: _ClassVar[Tier]
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT16: DType
 DTYPE_BFLOAT16: DType
 DTYPE_FLOAT32: DType
 DTYPE_FLOAT64: DType
+TIER_DEVICE: Tier
+TIER_HOST: Tier
 
 class CacheLayout(_message.Message):
     __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "num_blocks")
@@ -185,7 +192,7 @@ class StepRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., commits: _Optional[_Union[Commits, _Mapping]] = ..., frees: _Optional[_Iterable[str]] = ..., appends: _Optional[_Union[Appends, _Mapping]] = ..., admissions: _Optional[_Iterable[_Union[Admission, _Mapping]]] = ..., token_budget: _Optional[int] = ...) -> None: ...
 
 class Scheduled(_message.Message):
-    __slots__ = ("request_ids", "admitted", "first_positions", "num_scheduled_tokens", "num_cached_tokens", "num_new_blocks", "new_block_ids")
+    __slots__ = ("request_ids", "admitted", "first_positions", "num_scheduled_tokens", "num_cached_tokens", "num_new_blocks", "new_block_ids", "num_host_cached_tokens")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     ADMITTED_FIELD_NUMBER: _ClassVar[int]
     FIRST_POSITIONS_FIELD_NUMBER: _ClassVar[int]
@@ -193,6 +200,7 @@ class Scheduled(_message.Message):
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     admitted: _containers.RepeatedScalarFieldContainer[bool]
     first_positions: _containers.RepeatedScalarFieldContainer[int]
@@ -200,19 +208,22 @@ class Scheduled(_message.Message):
     num_cached_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_new_blocks: _containers.RepeatedScalarFieldContainer[int]
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., admitted: _Optional[_Iterable[bool]] = ..., first_positions: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    num_host_cached_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., admitted: _Optional[_Iterable[bool]] = ..., first_positions: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_host_cached_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("scheduled", "preempted", "waiting", "num_free_blocks")
+    __slots__ = ("scheduled", "preempted", "waiting", "num_free_blocks", "copy_events")
     SCHEDULED_FIELD_NUMBER: _ClassVar[int]
     PREEMPTED_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    COPY_EVENTS_FIELD_NUMBER: _ClassVar[int]
     scheduled: Scheduled
     preempted: _containers.RepeatedScalarFieldContainer[str]
     waiting: _containers.RepeatedScalarFieldContainer[str]
     num_free_blocks: int
-    def __init__(self, scheduled: _Optional[_Union[Scheduled, _Mapping]] = ..., preempted: _Optional[_Iterable[str]] = ..., waiting: _Optional[_Iterable[str]] = ..., num_free_blocks: _Optional[int] = ...) -> None: ...
+    copy_events: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, scheduled: _Optional[_Union[Scheduled, _Mapping]] = ..., preempted: _Optional[_Iterable[str]] = ..., waiting: _Optional[_Iterable[str]] = ..., num_free_blocks: _Optional[int] = ..., copy_events: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("token_ids", "cache_salt", "extra_keys")
@@ -225,12 +236,14 @@ class LookupRequest(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[bytes] = ..., extra_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("num_cached_tokens", "block_hashes")
+    __slots__ = ("num_cached_tokens", "block_hashes", "num_host_cached_tokens")
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_cached_tokens: int
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, num_cached_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    num_host_cached_tokens: int
+    def __init__(self, num_cached_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_host_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PinRequest(_message.Message):
     __slots__ = ("pin_id", "token_ids", "cache_salt", "extra_keys")
@@ -269,7 +282,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("num_blocks", "num_free_blocks", "num_used_blocks", "num_pinned_blocks", "num_cached_blocks", "max_pinned_blocks", "evictions", "query_tokens", "hit_tokens", "num_sessions", "num_requests", "num_pins")
+    __slots__ = ("num_blocks", "num_free_blocks", "num_used_blocks", "num_pinned_blocks", "num_cached_blocks", "max_pinned_blocks", "evictions", "query_tokens", "hit_tokens", "num_sessions", "num_requests", "num_pins", "num_host_blocks", "num_host_free_blocks", "num_host_cached_blocks", "num_copying_blocks", "num_host_blocks_read", "host_hit_tokens", "host_evictions", "bytes_to_host", "bytes_from_host", "copy_to_host_seconds", "copy_from_host_seconds", "copy_batches_to_host", "copy_batches_from_host")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -282,6 +295,19 @@ class StatsResponse(_message.Message):
     NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_PINS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COPYING_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_BLOCKS_READ_FIELD_NUMBER: _ClassVar[int]
+    HOST_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOST_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TO_HOST_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FROM_HOST_FIELD_NUMBER: _ClassVar[int]
+    COPY_TO_HOST_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COPY_FROM_HOST_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COPY_BATCHES_TO_HOST_FIELD_NUMBER: _ClassVar[int]
+    COPY_BATCHES_FROM_HOST_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     num_free_blocks: int
     num_used_blocks: int
@@ -294,7 +320,20 @@ class StatsResponse(_message.Message):
     num_sessions: int
     num_requests: int
     num_pins: int
-    def __init__(self, num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., max_pinned_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., num_sessions: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_pins: _Optional[int] = ...) -> None: ...
+    num_host_blocks: int
+    num_host_free_blocks: int
+    num_host_cached_blocks: int
+    num_copying_blocks: int
+    num_host_blocks_read: int
+    host_hit_tokens: int
+    host_evictions: int
+    bytes_to_host: int
+    bytes_from_host: int
+    copy_to_host_seconds: float
+    copy_from_host_seconds: float
+    copy_batches_to_host: int
+    copy_batches_from_host: int
+    def __init__(self, num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., max_pinned_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., num_sessions: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_pins: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., num_host_free_blocks: _Optional[int] = ..., num_host_cached_blocks: _Optional[int] = ..., num_copying_blocks: _Optional[int] = ..., num_host_blocks_read: _Optional[int] = ..., host_hit_tokens: _Optional[int] = ..., host_evictions: _Optional[int] = ..., bytes_to_host: _Optional[int] = ..., bytes_from_host: _Optional[int] = ..., copy_to_host_seconds: _Optional[float] = ..., copy_from_host_seconds: _Optional[float] = ..., copy_batches_to_host: _Optional[int] = ..., copy_batches_from_host: _Optional[int] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ()
@@ -339,16 +378,20 @@ class BlockEvent(_message.Message):
     def __init__(self, stored: _Optional[_Union[BlockStored, _Mapping]] = ..., removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., all_cleared: _Optional[_Union[AllCleared, _Mapping]] = ...) -> None: ...
 
 class BlockStored(_message.Message):
-    __slots__ = ("block_hashes",)
+    __slots__ = ("block_hashes", "tier")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    tier: Tier
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
 
 class BlockRemoved(_message.Message):
-    __slots__ = ("block_hashes",)
+    __slots__ = ("block_hashes", "tier")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    tier: Tier
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
 
 class AllCleared(_message.Message):
     __slots__ = ()

@@ -1,0 +1,195 @@
+"""Copies of block bytes between the device cache and the host tier.
+
+Outgoing copies (device to host, after the step that filled a block) never
+block a step: without a GPU a worker thread does them; on CUDA they run on a
+dedicated stream into pinned memory, and the worker only waits for their
+event. Either way the worker then finishes them under the daemon's lock (the
+device blocks stop COPYING, the host slots start serving hits).
+
+Incoming copies (host to device, a host-tier hit) must be done before the
+engine reads the blocks: without a GPU they run in the step itself; on CUDA
+they are queued on the same stream and the step's reply carries an
+interprocess event for the engine's stream to wait on.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvd.block import Block
+from kvd.host_tier import HostSlot
+
+log = logging.getLogger("kvd.offload")
+
+Offload = tuple[Block, HostSlot]
+SwapIn = tuple[HostSlot, Block]
+
+#: Events of incoming copies kept alive after they finished, so that an engine
+#: that has not opened a reply's event handle yet never opens a destroyed one.
+_RETIRED_EVENTS_KEPT = 256
+
+
+@dataclass
+class CopyStats:
+    bytes_to_host: int = 0
+    bytes_from_host: int = 0
+    seconds_to_host: float = 0.0  # submit to finish, summed over batches
+    seconds_from_host: float = 0.0
+    batches_to_host: int = 0
+    batches_from_host: int = 0
+
+
+class TierCopier:
+    """Moves blocks between ``cache`` (device tier) and its own host tensor.
+
+    Args:
+        cache: the daemon's cache tensor, ``[num_blocks, *block_shape]``.
+        num_host_blocks: slots of the host tensor.
+        lock: the daemon's lock, held while finishing copies.
+        finish_out: called under ``lock`` with finished outgoing copies.
+        finish_in: called under ``lock`` with finished incoming copies.
+    """
+
+    def __init__(
+        self,
+        cache: torch.Tensor,
+        num_host_blocks: int,
+        lock: threading.Lock,
+        finish_out: Callable[[Sequence[Offload]], None],
+        finish_in: Callable[[Sequence[SwapIn]], None],
+    ) -> None:
+        self.cache = cache
+        self.on_cuda = cache.is_cuda
+        # Pinned on CUDA: asynchronous copies need page-locked host memory.
+        self.host = torch.zeros((num_host_blocks, *cache.shape[1:]), dtype=cache.dtype, pin_memory=self.on_cuda)
+        self.block_bytes = cache[0].numel() * cache.element_size()
+        self.stats = CopyStats()
+        self._lock = lock
+        self._finish_out = finish_out
+        self._finish_in = finish_in
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._outstanding = 0
+        self._idle = threading.Condition()
+        self._stream = torch.cuda.Stream(device=cache.device) if self.on_cuda else None
+        self._pending_in: dict[int, bytes] = {}  # job id -> event handle, CUDA only
+        self._retired = collections.deque(maxlen=_RETIRED_EVENTS_KEPT)
+        self._next_job = 0
+        self._worker = threading.Thread(target=self._run, name="kvd-offload", daemon=True)
+        self._worker.start()
+
+    # ------------------------------------------------------------ submit
+    # Both are called under the daemon's lock.
+
+    def copy_out(self, offloads: Sequence[Offload]) -> None:
+        """Starts copying device blocks to their host slots; returns at once."""
+        if not offloads:
+            return
+        started = time.perf_counter()
+        event = None
+        if self._stream is not None:
+            with torch.cuda.stream(self._stream):
+                for block, slot in offloads:
+                    self.host[slot.slot_id].copy_(self.cache[block.block_id], non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+        self._submit(("out", list(offloads), event, started))
+
+    def copy_in(self, swap_ins: Sequence[SwapIn]) -> None:
+        """Copies host slots into device blocks: done on return without a GPU;
+        on CUDA queued, with an event in :meth:`pending_events` until done."""
+        if not swap_ins:
+            return
+        started = time.perf_counter()
+        if self._stream is None:
+            for slot, block in swap_ins:
+                self.cache[block.block_id].copy_(self.host[slot.slot_id])
+            self._count_in(len(swap_ins), time.perf_counter() - started)
+            self._finish_in(swap_ins)
+            return
+        # The stream first waits for the daemon's own work on the cache (none
+        # today but the initial zeroing), then copies behind earlier offloads.
+        self._stream.wait_stream(torch.cuda.current_stream(self.cache.device))
+        with torch.cuda.stream(self._stream):
+            for slot, block in swap_ins:
+                self.cache[block.block_id].copy_(self.host[slot.slot_id], non_blocking=True)
+            event = torch.cuda.Event(interprocess=True)
+            event.record(self._stream)
+        job_id = self._next_job
+        self._next_job += 1
+        self._pending_in[job_id] = event.ipc_handle()
+        self._submit(("in", list(swap_ins), event, started, job_id))
+
+    def pending_events(self) -> list[bytes]:
+        """Event handles of incoming copies not known to be finished (CUDA):
+        any engine reading the cache now waits for them."""
+        return list(self._pending_in.values())
+
+    # ------------------------------------------------------------ worker
+
+    def _submit(self, job: tuple) -> None:
+        with self._idle:
+            self._outstanding += 1
+        self._jobs.put(job)
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                if job[0] == "out":
+                    self._finish_copy_out(*job[1:])
+                else:
+                    self._finish_copy_in(*job[1:])
+            except Exception:  # a failed copy must not kill the worker; the blocks stay held
+                log.exception("tier copy failed", extra={"direction": job[0], "blocks": len(job[1])})
+            finally:
+                with self._idle:
+                    self._outstanding -= 1
+                    self._idle.notify_all()
+
+    def _finish_copy_out(self, offloads: list[Offload], event, started: float) -> None:
+        if event is None:
+            for block, slot in offloads:
+                self.host[slot.slot_id].copy_(self.cache[block.block_id])
+        else:
+            event.synchronize()
+        with self._lock:
+            stats = self.stats
+            stats.bytes_to_host += len(offloads) * self.block_bytes
+            stats.seconds_to_host += time.perf_counter() - started
+            stats.batches_to_host += 1
+            self._finish_out(offloads)
+
+    def _finish_copy_in(self, swap_ins: list[SwapIn], event, started: float, job_id: int) -> None:
+        event.synchronize()
+        with self._lock:
+            self._count_in(len(swap_ins), time.perf_counter() - started)
+            del self._pending_in[job_id]
+            self._retired.append(event)
+            self._finish_in(swap_ins)
+
+    def _count_in(self, num_blocks: int, seconds: float) -> None:
+        stats = self.stats
+        stats.bytes_from_host += num_blocks * self.block_bytes
+        stats.seconds_from_host += seconds
+        stats.batches_from_host += 1
+
+    # ------------------------------------------------------------ control
+
+    def drain(self, timeout_s: float = 60.0) -> bool:
+        """Waits (without the daemon's lock) until every submitted copy finished."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._outstanding == 0, timeout=timeout_s)
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._worker.join(timeout=10)
