@@ -3,6 +3,8 @@
 A small pool (16 blocks of 4 tokens) and a four-token vocabulary make prefixes collide,
 hit, get evicted and get preempted often. After every rule the pool's accounting is
 checked against an independent model of who holds what and what was ever committed.
+The same machine runs once more with a host tier (24 slots) behind the pool, whose
+outgoing copies finish whenever the machine decides (the worker thread's part).
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvd.block_pool import AllCleared, BlockPool, BlockRemoved, BlockStored
+from kvd.block import BlockState
+from kvd.block_pool import DEVICE, HOST, AllCleared, BlockPool, BlockRemoved, BlockStored
 from kvd.cache_manager import KVCacheManager
 from kvd.errors import CapacityError, NotFoundError
 from kvd.hashing import chain_block_hashes, encode_extra_keys
+from kvd.host_tier import HostTier, SlotState
 from kvd.pins import PinRegistry
 from kvd.session import SessionRegistry
 from kvd.step import AdmissionWork, AppendWork, CommitWork, StepInput, run_step
@@ -30,6 +34,7 @@ MAX_TOKENS = 40  # a request stops sampling new tokens past this length
 SALTS = [b"", b"x", b"y"]
 PIN_IDS = ["p0", "p1", "p2"]
 TOKEN = st.integers(0, 3)
+HOST_SLOTS = 12  # larger than the device pool, as in real use
 
 
 def blocks_for(num_tokens: int) -> int:
@@ -49,10 +54,14 @@ class ModelRequest:
 
 
 class PoolMachine(RuleBasedStateMachine):
+    with_host_tier = False
+
     def __init__(self) -> None:
         super().__init__()
         self.pool = BlockPool(NUM_BLOCKS, record_events=True)
-        self.manager = KVCacheManager(self.pool, BS)
+        self.host = HostTier(HOST_SLOTS, record=self.pool.record) if self.with_host_tier else None
+        self.manager = KVCacheManager(self.pool, BS, self.host)
+        self.copies_out: list = []  # offloads submitted and not finished: (block, slot)
         self.registry = SessionRegistry(lease_s=3600)
         self.sessions = [self.registry.open("e0"), self.registry.open("e1")]
         self.pins = PinRegistry(self.pool, PIN_CAP)
@@ -62,7 +71,8 @@ class PoolMachine(RuleBasedStateMachine):
         self.committed: set[tuple[bytes, tuple[int, ...]]] = set()  # (salt, full-block prefix) ever computed
         self.committed_hashes: set[bytes] = set()
         self.pinned: dict[str, list[int]] = {}
-        self.event_view: set[bytes] = set()  # the index as a consumer of take_events() sees it
+        # Each tier's index as a consumer of take_events() sees it.
+        self.event_view: dict[str, set[bytes]] = {DEVICE: set(), HOST: set()}
         self.seen: list[tuple[list[int], bytes]] = []  # recent admissions and their token lists
         self.committed_seqs: list[tuple[list[int], bytes]] = []  # recent committed prefixes
         self.next_id = 0
@@ -81,6 +91,9 @@ class PoolMachine(RuleBasedStateMachine):
         """Mostly a prefix of something seen or committed before plus a short tail, so lookups hit."""
         source = data.draw(st.sampled_from(["seen", "committed", "committed", "fresh"]), label="source")
         pool = self.seen if source == "seen" else self.committed_seqs
+        if source == "committed" and self.host is not None:
+            # Prefer prefixes evicted from the device but kept by the host tier.
+            pool = [(t, salt) for t, salt in pool if self.host_continues(t, salt)] or pool
         if source != "fresh" and pool:
             base, salt = data.draw(st.sampled_from(pool), label="base")
             cut = data.draw(st.one_of(st.just(len(base)), st.integers(1, len(base))), label="cut")
@@ -127,7 +140,21 @@ class PoolMachine(RuleBasedStateMachine):
             ],
             [list(s.recently_freed) for s in self.sessions],
             {pid: [b.block_id for b in blocks] for pid, blocks in self.pins.pins.items()},
+            self.host_snapshot(),
         )
+
+    def host_snapshot(self):
+        if self.host is None:
+            return None
+        return list(self.host.cached), sorted(self.host.writing), [(s.block_hash, s.readers) for s in self.host.slots]
+
+    def host_continues(self, tokens: list[int], salt: bytes) -> bool:
+        hashes = chain(tokens, salt)
+        hits = len(self.pool.match_prefix(hashes))
+        return self.host_hits(hashes, hits) > 0
+
+    def host_hits(self, hashes: list[bytes], device_hits: int) -> int:
+        return len(self.host.match(hashes[device_hits:])) if self.host is not None else 0
 
     # -------------------------------------------------------------- rules
 
@@ -151,6 +178,7 @@ class PoolMachine(RuleBasedStateMachine):
             elif action == "append":
                 appends.append(AppendWork(rid, data.draw(st.integers(1, 6), label="num_tokens")))
         admissions = self.draw_admissions(data, sid)
+        self.finish_copies(data)
         self.run_and_check(sid, StepInput(commits, frees, appends, admissions, budget), new_tokens)
 
     @rule(data=st.data(), sid=st.integers(0, 1), budget=st.integers(4, 32))
@@ -169,6 +197,7 @@ class PoolMachine(RuleBasedStateMachine):
             else:
                 appends.append(AppendWork(rid, remaining))
         admissions = self.draw_admissions(data, sid)
+        self.finish_copies(data)
         self.run_and_check(sid, StepInput(commits, frees, appends, admissions, budget), new_tokens)
 
     def draw_admissions(self, data, sid: int) -> list[AdmissionWork]:
@@ -191,6 +220,11 @@ class PoolMachine(RuleBasedStateMachine):
         budget = work.token_budget
 
         out = run_step(self.manager, session, work)
+        offloads, swap_ins = self.manager.take_copies()
+        self.copies_out += offloads
+        for slot, block in swap_ins:  # without a GPU a swap-in is done within its step
+            assert block.block_hash == slot.block_hash and block.ref_cnt == 1
+            self.host.end_read([slot])
 
         for commit in commits:
             req = live[commit.request_id]
@@ -266,14 +300,15 @@ class PoolMachine(RuleBasedStateMachine):
         """Whether the admission's first uncached block is in flight (another
         request admitted to compute it, not committed yet)."""
         hashes = chain(list(adm.token_ids), adm.cache_salt)
-        hits = self.pool.match_prefix(hashes)
-        return len(hits) < len(hashes) and hashes[len(hits)] in self.manager.inflight
+        hits = len(self.pool.match_prefix(hashes))
+        hits += self.host_hits(hashes, hits)
+        return hits < len(hashes) and hashes[hits] in self.manager.inflight
 
     def assert_admission_really_did_not_fit(self, adm: AdmissionWork, budget: int) -> None:
         # Nothing changes after a refused admission, so the pool is as admit() saw it.
         hashes = chain(list(adm.token_ids), adm.cache_salt)
         hits = self.pool.match_prefix(hashes)
-        first = min(len(hits) * BS, len(adm.token_ids) - 1)
+        first = min((len(hits) + self.host_hits(hashes, len(hits))) * BS, len(adm.token_ids) - 1)
         num_new = min(len(adm.token_ids) - first, budget)
         needed = max(0, blocks_for(first + num_new) - len(hits))
         free_hits = sum(1 for b in hits if b.ref_cnt == 0)
@@ -332,6 +367,19 @@ class PoolMachine(RuleBasedStateMachine):
         assert self.snapshot() == before
 
     @rule(data=st.data())
+    def finish_copies(self, data):
+        """The copier's worker finishes some outgoing copies, in any order
+        (steps also do, before they run: the worker keeps up most of the time)."""
+        if not self.copies_out:
+            return
+        done = data.draw(st.lists(st.sampled_from(range(len(self.copies_out))), unique=True), label="finished")
+        for i in sorted(done, reverse=True):
+            block, slot = self.copies_out.pop(i)
+            assert block.block_hash == slot.block_hash, "a copying block's content changed"
+            self.pool.copy_finished(block)
+            self.host.written(slot)
+
+    @rule(data=st.data())
     def lookup(self, data):
         tokens, salt = self.draw_tokens(data, max_size=20)
         before = self.snapshot()
@@ -380,8 +428,11 @@ class PoolMachine(RuleBasedStateMachine):
                 self.pool.reset()
             assert self.snapshot() == before
         else:
+            assert not self.copies_out, "a block with a copy in flight counts as used"
             assert self.pool.reset() == len(before[2])
             assert self.pool.cached == {}
+            if self.host is not None:
+                self.host.clear()
 
     # --------------------------------------------------------- invariants
 
@@ -411,9 +462,35 @@ class PoolMachine(RuleBasedStateMachine):
         for pid, blocks in self.pins.pins.items():
             assert [b.block_id for b in blocks] == self.pinned[pid]
             holders.update(b.block_id for b in blocks)
+        holders.update(b.block_id for b, _ in self.copies_out)  # each outgoing copy holds its block
         assert set(self.pins.pins) == set(self.pinned)
         for block in self.pool.blocks:
             assert block.ref_cnt == holders[block.block_id], block
+
+    @invariant()
+    def a_block_being_copied_out_is_never_free(self):
+        copying = Counter(b.block_id for b, _ in self.copies_out)
+        for block in self.pool.blocks:
+            assert block.pending_copies == copying[block.block_id], block
+            if block.pending_copies:
+                assert block.state is BlockState.COPYING and block.prev_free is None, block
+
+    @invariant()
+    def host_slots_are_consistent(self):
+        host = self.host
+        if host is None:
+            return
+        states = Counter(s.state for s in host.slots)
+        assert states[SlotState.FREE] == host.num_free
+        assert states[SlotState.READY] == len(host.cached)
+        assert states[SlotState.WRITING] == len(host.writing) == len(self.copies_out)
+        for block_hash, slot in host.cached.items():
+            assert slot.block_hash == block_hash and slot.state is SlotState.READY
+        for block_hash, slot in host.writing.items():
+            assert slot.block_hash == block_hash
+        assert {s.slot_id for _, s in self.copies_out} == {s.slot_id for s in host.writing.values()}
+        assert all(s.readers == 0 for s in host.slots), "a swap-in outlived its step"
+        assert set(host.cached) <= self.committed_hashes, "the host holds a hash nobody committed"
 
     @invariant()
     def pinned_blocks_are_never_free(self):
@@ -446,18 +523,22 @@ class PoolMachine(RuleBasedStateMachine):
                         assert i < len(own) and block.block_hash == own[i], f"{rid} block {i} holds other content"
 
     @invariant()
-    def events_replay_to_the_index(self):
+    def events_replay_to_each_tier_index(self):
         for event in self.pool.take_events():
             if isinstance(event, BlockStored):
-                assert not self.event_view & set(event.block_hashes)
-                self.event_view.update(event.block_hashes)
+                view = self.event_view[event.tier]
+                assert not view & set(event.block_hashes)
+                view.update(event.block_hashes)
             elif isinstance(event, BlockRemoved):
-                assert set(event.block_hashes) <= self.event_view
-                self.event_view.difference_update(event.block_hashes)
+                view = self.event_view[event.tier]
+                assert set(event.block_hashes) <= view
+                view.difference_update(event.block_hashes)
             else:
                 assert isinstance(event, AllCleared)
-                self.event_view.clear()
-        assert self.event_view == set(self.pool.cached)
+                for view in self.event_view.values():
+                    view.clear()
+        assert self.event_view[DEVICE] == set(self.pool.cached)
+        assert self.event_view[HOST] == (set(self.host.cached) if self.host is not None else set())
 
     @invariant()
     def inflight_blocks_belong_to_running_requests(self):
@@ -467,6 +548,10 @@ class PoolMachine(RuleBasedStateMachine):
             assert block_hash in request.block_hashes[request.num_indexed_blocks :]
 
     def teardown(self):
+        while self.copies_out:
+            block, slot = self.copies_out.pop()
+            self.pool.copy_finished(block)
+            self.host.written(slot)
         for session, live in zip(self.sessions, self.live, strict=True):
             run_step(self.manager, session, StepInput(frees=list(live)))
             assert session.requests == {}
@@ -479,5 +564,11 @@ class PoolMachine(RuleBasedStateMachine):
         assert self.manager.inflight == {}
 
 
+class TieredPoolMachine(PoolMachine):
+    with_host_tier = True
+
+
 PoolMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestPoolStateMachine = PoolMachine.TestCase
+TieredPoolMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestTieredPoolStateMachine = TieredPoolMachine.TestCase
