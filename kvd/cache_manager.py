@@ -105,12 +105,12 @@ class KVCacheManager:
         assert not request.blocks, f"{request.request_id} is already admitted"
         num_tokens = len(request.token_ids)
         hashes = request.block_hashes
-        hits = self.pool.match_prefix(hashes)
-        host_hits = self.host.match(hashes[len(hits) :]) if self.host is not None else []
-        num_hits = len(hits) + len(host_hits)
-        if num_hits < len(hashes) and hashes[num_hits] in self.inflight:
+        cached = self.match_tiers(hashes)
+        hits = [c for c in cached if isinstance(c, Block)]
+        num_host_hits = len(cached) - len(hits)
+        if len(cached) < len(hashes) and hashes[len(cached)] in self.inflight:
             return DEFERRED
-        num_cached = num_hits * self.block_size
+        num_cached = len(cached) * self.block_size
         first = min(num_cached, num_tokens - 1)
         num_new = min(num_tokens - first, token_budget)
         if num_new <= 0:
@@ -123,27 +123,52 @@ class KVCacheManager:
         self.pool.touch(hits)
         new_blocks = self.pool.allocate(blocks_needed)
         assert new_blocks is not None, "capacity was checked above"
-        if host_hits:
-            self._swap_in(host_hits, new_blocks[: len(host_hits)], hashes[len(hits) : num_hits])
-        request.blocks = hits + new_blocks
+        request.blocks = self._swap_in(cached, hashes, new_blocks) if num_host_hits else hits + new_blocks
         request.num_cached_tokens = num_cached
         request.num_computed_tokens = first
         request.num_scheduled_tokens = first + num_new
-        request.num_indexed_blocks = num_hits
+        request.num_indexed_blocks = len(cached)
         inflight = self.inflight
-        for block_hash in hashes[num_hits:]:
+        for block_hash in hashes[len(cached) :]:
             inflight.setdefault(block_hash, request)
-        host_tokens = len(host_hits) * self.block_size
+        host_tokens = num_host_hits * self.block_size
         self.query_tokens += num_tokens
         self.hit_tokens += num_cached
         self.host_hit_tokens += host_tokens
         return Admitted(num_cached, host_tokens, first, num_new, request.blocks)
 
-    def _swap_in(self, slots: list[HostSlot], blocks: list[Block], block_hashes: Sequence[bytes]) -> None:
+    def match_tiers(self, block_hashes: Sequence[bytes]) -> list[Block | HostSlot]:
+        """The longest cached prefix, each block from the device if it is
+        there, else from the host tier. (Device eviction is not prefix-ordered:
+        a block may be gone from the device while a later one is still there.)"""
+        hits: list[Block | HostSlot] = self.pool.match_prefix(block_hashes)
+        if self.host is None or len(hits) == len(block_hashes):
+            return hits
+        on_device, on_host = self.pool.cached, self.host.cached
+        for block_hash in block_hashes[len(hits) :]:
+            source = on_device.get(block_hash) or on_host.get(block_hash)
+            if source is None:
+                break
+            hits.append(source)
+        return hits
+
+    def _swap_in(self, cached: list[Block | HostSlot], hashes: Sequence[bytes], new_blocks: list[Block]) -> list[Block]:
+        """The block table, host hits given new device blocks that are indexed
+        at once and queued to receive the slots' bytes (``swap_ins``)."""
         assert self.host is not None
-        self.host.begin_read(slots)
-        self.pool.cache_blocks(blocks, block_hashes)
-        self.swap_ins.extend(zip(slots, blocks, strict=True))
+        fresh = iter(new_blocks)
+        table: list[Block] = []
+        for position, source in enumerate(cached):
+            if isinstance(source, Block):
+                table.append(source)
+                continue
+            block = next(fresh)
+            self.host.begin_read([source])
+            self.pool.cache_blocks([block], [hashes[position]])
+            self.swap_ins.append((source, block))
+            table.append(block)
+        table.extend(fresh)
+        return table
 
     def append(self, request: Request, num_tokens: int) -> list[Block] | None:
         """Slots for a running request's next ``num_tokens`` tokens.

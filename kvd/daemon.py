@@ -262,11 +262,10 @@ class Daemon:
         """The hashes of the leading blocks of ``token_ids`` cached on the
         device, and how many blocks after them the host tier holds."""
         with self.lock:
-            pool, _, _ = self._ready()
+            pool, manager, _ = self._ready()
             hashes = self._hashes(token_ids, cache_salt, extra_keys)
             on_device = len(pool.match_prefix(hashes))
-            on_host = len(self.host.match(hashes[on_device:])) if self.host is not None else 0
-            return hashes[:on_device], on_host
+            return hashes[:on_device], len(manager.match_tiers(hashes)) - on_device
 
     def pin(self, pin_id: str, token_ids: Sequence[int], cache_salt: bytes, extra_keys: Sequence[bytes]) -> int:
         """Pins the cached prefix of ``token_ids``; returns the blocks pinned."""

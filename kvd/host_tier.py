@@ -116,17 +116,6 @@ class HostTier:
 
     # ------------------------------------------------------------ reading
 
-    def match(self, block_hashes: Sequence[bytes]) -> list[HostSlot]:
-        """The READY slots of the longest leading run of ``block_hashes``."""
-        hits = []
-        cached = self.cached
-        for block_hash in block_hashes:
-            slot = cached.get(block_hash)
-            if slot is None:
-                break
-            hits.append(slot)
-        return hits
-
     def begin_read(self, slots: Sequence[HostSlot]) -> None:
         """Swap-ins start copying out of ``slots``: they become most recent
         and cannot be evicted until :meth:`end_read`."""

@@ -148,13 +148,19 @@ class PoolMachine(RuleBasedStateMachine):
             return None
         return list(self.host.cached), sorted(self.host.writing), [(s.block_hash, s.readers) for s in self.host.slots]
 
-    def host_continues(self, tokens: list[int], salt: bytes) -> bool:
-        hashes = chain(tokens, salt)
-        hits = len(self.pool.match_prefix(hashes))
-        return self.host_hits(hashes, hits) > 0
+    def cached_prefix(self, hashes: list[bytes]) -> list:
+        """The model of admission's cache lookup: per leading block, the device
+        block holding it, or None where only the host tier does."""
+        prefix = []
+        for block_hash in hashes:
+            block = self.pool.cached.get(block_hash)
+            if block is None and (self.host is None or block_hash not in self.host.cached):
+                break
+            prefix.append(block)
+        return prefix
 
-    def host_hits(self, hashes: list[bytes], device_hits: int) -> int:
-        return len(self.host.match(hashes[device_hits:])) if self.host is not None else 0
+    def host_continues(self, tokens: list[int], salt: bytes) -> bool:
+        return None in self.cached_prefix(chain(tokens, salt))
 
     # -------------------------------------------------------------- rules
 
@@ -223,7 +229,7 @@ class PoolMachine(RuleBasedStateMachine):
         offloads, swap_ins = self.manager.take_copies()
         self.copies_out += offloads
         for slot, block in swap_ins:  # without a GPU a swap-in is done within its step
-            assert block.block_hash == slot.block_hash and block.ref_cnt == 1
+            assert block.block_hash == slot.block_hash and block.ref_cnt >= 1
             self.host.end_read([slot])
 
         for commit in commits:
@@ -300,15 +306,15 @@ class PoolMachine(RuleBasedStateMachine):
         """Whether the admission's first uncached block is in flight (another
         request admitted to compute it, not committed yet)."""
         hashes = chain(list(adm.token_ids), adm.cache_salt)
-        hits = len(self.pool.match_prefix(hashes))
-        hits += self.host_hits(hashes, hits)
-        return hits < len(hashes) and hashes[hits] in self.manager.inflight
+        hits = self.cached_prefix(hashes)
+        return len(hits) < len(hashes) and hashes[len(hits)] in self.manager.inflight
 
     def assert_admission_really_did_not_fit(self, adm: AdmissionWork, budget: int) -> None:
         # Nothing changes after a refused admission, so the pool is as admit() saw it.
         hashes = chain(list(adm.token_ids), adm.cache_salt)
-        hits = self.pool.match_prefix(hashes)
-        first = min((len(hits) + self.host_hits(hashes, len(hits))) * BS, len(adm.token_ids) - 1)
+        cached = self.cached_prefix(hashes)
+        hits = [c for c in cached if c is not None]
+        first = min(len(cached) * BS, len(adm.token_ids) - 1)
         num_new = min(len(adm.token_ids) - first, budget)
         needed = max(0, blocks_for(first + num_new) - len(hits))
         free_hits = sum(1 for b in hits if b.ref_cnt == 0)
