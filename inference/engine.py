@@ -168,11 +168,16 @@ class Engine:
                 sampling.append(seq)
             elif seq.is_finished:  # a warm-up whose prompt is now in the cache
                 self._finished(seq)
-        if sampling:
-            sampled = self.sampler.sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
-            for i, seq in enumerate(sampling):
-                self._append_token(seq, sampled.tokens[i], sampled.logprobs[i], sampled.top[i])
-                self.scheduler.sampled(seq)
+        if not sampling:
+            # Reading sampled tokens waits for the forward; without any, wait
+            # here: the next Step commits these blocks, and the daemon may copy
+            # them to its host tier at once, from another process and stream.
+            self.runner.wait_for_writes()
+            return
+        sampled = self.sampler.sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
+        for i, seq in enumerate(sampling):
+            self._append_token(seq, sampled.tokens[i], sampled.logprobs[i], sampled.top[i])
+            self.scheduler.sampled(seq)
 
     def _append_token(
         self, seq: Sequence, token: int, logprob: float, top: tuple[list[int], list[float]] | None

@@ -60,6 +60,12 @@ class ModelRunner:
         for handle in event_handles:
             stream.wait_event(torch.cuda.Event.from_ipc_handle(self.kv_cache.device, handle))
 
+    def wait_for_writes(self) -> None:
+        """Returns once this process's K/V writes so far have landed (a no-op
+        on the CPU, where the forward is synchronous)."""
+        if self.kv_cache.is_cuda:
+            torch.cuda.current_stream(self.kv_cache.device).synchronize()
+
     @torch.inference_mode()
     def forward(self, chunks: list[Chunk]) -> torch.Tensor:
         """Computes the chunks' K/V into the cache.

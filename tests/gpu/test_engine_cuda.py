@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from tests.conftest import start_daemon, start_engine
-from tests.gpu import random_llama as random_llama_model
 from tests.integration.engine_client import (
     assert_close_to_reference,
     reference_generate,
@@ -25,14 +24,8 @@ pytestmark = pytest.mark.gpu
 NEW_TOKENS = 16
 
 
-@pytest.fixture(scope="module")
-def random_llama(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("random-llama")
-    return folder, random_llama_model.build(folder).cuda()
-
-
-def test_engine_on_cuda_matches_generate(random_llama, workdir):
-    folder, model = random_llama
+def test_engine_on_cuda_matches_generate(random_llama_model, workdir):
+    folder, model = random_llama_model
     daemon = start_daemon(["--device", "cuda", "--block-size", "16", "--num-blocks", "2048"], f"{workdir}")
     engine = start_engine(daemon, ["--model", str(folder), "--device", "cuda", "--dtype", "bfloat16"], workdir)
     try:
