@@ -68,6 +68,16 @@ class ReplicaState:
 
 
 @dataclass(frozen=True)
+class ReplicaView:
+    """A replica's state as ``Info`` shows it."""
+
+    address: str
+    serving: bool
+    in_flight: int
+    known_blocks: int  # blocks its daemon announced as cached
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     """Attributes:
     policy: "affinity" or "round-robin".
@@ -130,11 +140,10 @@ class Router:
         with self._lock:
             return sorted(self._replicas)
 
-    def snapshot(self) -> list[ReplicaState]:
-        """A copy of every replica's state, without its held hashes (for Info)."""
+    def snapshot(self) -> list[ReplicaView]:
         with self._lock:
             return [
-                ReplicaState(r.address, r.serving, r.in_flight, {h: set() for h in r.held})
+                ReplicaView(r.address, r.serving, r.in_flight, len(r.held))
                 for r in sorted(self._replicas.values(), key=lambda r: r.address)
             ]
 

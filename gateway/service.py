@@ -247,7 +247,7 @@ class GatewayService(pb_grpc.GatewayServicer):
             version=VERSION,
             replicas=[
                 pb.Replica(address=r.address, serving=r.serving, in_flight=r.in_flight,
-                           known_blocks=len(r.held), templates=self.keeper.pinned_on(r.address))
+                           known_blocks=r.known_blocks, templates=self.keeper.pinned_on(r.address))
                 for r in self.router.snapshot()
             ],
         )  # fmt: skip

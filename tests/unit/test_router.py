@@ -62,16 +62,16 @@ def test_events_update_what_a_replica_holds():
     r.apply(A, [("stored", PROMPT[:1], 0)])
     assert r.choose(RouteKey(block_hashes=PROMPT)) == A
     r.forget(A)  # its event stream broke
-    assert [len(s.held) for s in r.snapshot()] == [0, 0]
+    assert [s.known_blocks for s in r.snapshot()] == [0, 0]
 
 
 def test_a_block_is_held_while_stored_in_any_tier():
     r = router(A, B)
     r.apply(A, [("stored", PROMPT, 0), ("stored", PROMPT, 1), ("removed", PROMPT, 0)])
     assert r.choose(RouteKey(block_hashes=PROMPT)) == A
-    assert r.snapshot()[0].held.keys() == set(PROMPT)
+    assert r.snapshot()[0].known_blocks == len(PROMPT)
     r.apply(A, [("removed", PROMPT, 1)])
-    assert not r.snapshot()[0].held
+    assert r.snapshot()[0].known_blocks == 0
 
 
 def test_an_overloaded_target_spills_to_the_least_loaded():
@@ -130,7 +130,7 @@ def test_replicas_come_and_go():
     assert r.addresses() == [B, C] and r.serving() == [B]
     r.set_serving(C, True)
     r.set_replicas([A, B, C])
-    assert not r.snapshot()[0].held  # A came back: nothing known yet
+    assert r.snapshot()[0].known_blocks == 0  # A came back: nothing known yet
 
 
 def test_bad_configs_are_refused():
