@@ -1,4 +1,4 @@
-"""Wires one gateway process: Redis, the engine link, keys, the keeper, the server."""
+"""Wires one gateway process: Redis, the engine replicas, keys, the keeper, the server."""
 
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ from grpc_reflection.v1alpha import reflection
 
 from gateway import redis_conn
 from gateway.auth import Authenticator, FileKeys, KeyStore, RedisKeys
-from gateway.engine_link import EngineLink
+from gateway.endpoints import check_endpoint
 from gateway.keeper import TemplateKeeper
+from gateway.replicas import ReplicaPool
+from gateway.router import Router, RouterConfig
 from gateway.service import GatewayService
 from gateway.templates import TemplateStore
 from kvd_api.gateway.v1 import gateway_pb2 as pb
@@ -34,9 +36,13 @@ class GatewaySettings:
     """Everything one gateway process is configured with (the CLI fills it).
 
     Attributes:
+        engines: ``HOST:PORT`` and ``dns:NAME:PORT`` entries (see ``gateway.endpoints``).
         api_keys: "" (single-user mode), "redis", or a JSON keys file.
         keeper_interval_s: how often templates are re-checked: expired ones
-            unpinned, all re-warmed when the engine's cache is new.
+            unpinned, placed again when a replica's cache is new or it left.
+        routing: how requests pick a replica (``gateway.router``).
+        health_interval_s: how often each replica's health is checked.
+        dns_interval_s: how often ``dns:`` entries are resolved again.
     """
 
     listen: str = "127.0.0.1:50051"
@@ -48,15 +54,20 @@ class GatewaySettings:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     keeper_interval_s: float = 1.0
+    routing: RouterConfig = field(default_factory=RouterConfig)
+    health_interval_s: float = 0.5
+    dns_interval_s: float = 5.0
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TLS needs both --tls-cert and --tls-key")
-        if len(self.engines) != 1:
-            # Routing across replicas is not built yet: one engine per gateway.
-            raise ValueError(f"one engine address expected, got {self.engines}")
-        if self.keeper_interval_s <= 0:
-            raise ValueError(f"keeper_interval_s must be > 0, got {self.keeper_interval_s}")
+        if not self.engines:
+            raise ValueError("at least one engine endpoint is needed")
+        for entry in self.engines:
+            check_endpoint(entry)
+        for name in ("keeper_interval_s", "health_interval_s", "dns_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
 class GatewayApp:
@@ -64,15 +75,19 @@ class GatewayApp:
         self.settings = settings
         self.redis = redis_conn.connect(settings.redis_url, settings.data_dir or default_data_dir())
         self.store = TemplateStore(self.redis, settings.redis_prefix)
-        self.engine = EngineLink(settings.engines[0])
+        self.pool = ReplicaPool(
+            settings.engines,
+            Router(settings.routing),
+            health_interval_s=settings.health_interval_s,
+            resolve_interval_s=settings.dns_interval_s,
+            on_health=self._engine_health,
+        )
         self.auth = Authenticator(self._key_store())
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="gateway-rpc"))
         self.health = health.HealthServicer()
-        self.keeper = TemplateKeeper(
-            self.store, self.engine, settings.keeper_interval_s, on_engine_health=self._engine_health
-        )
+        self.keeper = TemplateKeeper(self.store, self.pool, settings.keeper_interval_s)
         pb_grpc.add_GatewayServicer_to_server(
-            GatewayService(self.store, self.engine, self.keeper, self.auth), self.server
+            GatewayService(self.store, self.pool, self.keeper, self.auth), self.server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -98,19 +113,20 @@ class GatewayApp:
         return self.server.add_secure_port(s.listen, credentials)
 
     def _engine_health(self, up: bool) -> None:
-        # The gateway serves (templates, info) only with an engine behind it.
+        # The gateway serves (templates, info) while at least one replica does.
         status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE_NAME):
             self.health.set(name, status)
 
     def start(self) -> None:
         self.server.start()
+        self.pool.start()
         self.keeper.start()
         s = self.settings
         log.info(
             "gateway serving",
             extra={"listen": s.listen, "engines": s.engines, "redis": redis_conn.describe(self.redis),
-                   "tls": s.tls_cert is not None},
+                   "tls": s.tls_cert is not None, "routing": s.routing.policy},
         )  # fmt: skip
         if self.auth.single_user:
             log.warning("single-user mode: no API keys are checked; every call is the tenant 'default'")
@@ -119,4 +135,4 @@ class GatewayApp:
         self._engine_health(False)
         self.keeper.stop()
         self.server.stop(grace=2).wait()
-        self.engine.close()
+        self.pool.stop()

@@ -18,6 +18,7 @@ import sys
 import threading
 from pathlib import Path
 
+from gateway.router import POLICIES
 from kvd import logs
 from kvd.cli import env_default
 
@@ -69,7 +70,40 @@ def build_parser() -> argparse.ArgumentParser:
         "--keeper-interval-s",
         type=float,
         default=float(env_default("KVD_KEEPER_INTERVAL_S", 1.0)),
-        help="how often expired templates are unpinned and a new engine cache re-warmed (KVD_KEEPER_INTERVAL_S)",
+        help="how often expired templates are unpinned and templates placed again on replicas whose cache is new"
+        " or that left (KVD_KEEPER_INTERVAL_S)",
+    )
+    p.add_argument(
+        "--routing",
+        choices=POLICIES,
+        default=env_default("KVD_ROUTING", "affinity"),
+        help="how a request picks a replica: affinity (its template, else its prompt's leading blocks, bounded by"
+        " load) or round-robin (KVD_ROUTING)",
+    )
+    p.add_argument(
+        "--route-load-factor",
+        type=float,
+        default=float(env_default("KVD_ROUTE_LOAD_FACTOR", 1.5)),
+        help="an affinity target running more than FACTOR x the mean load + SLACK requests spills to the least"
+        " loaded replica (KVD_ROUTE_LOAD_FACTOR)",
+    )
+    p.add_argument(
+        "--route-load-slack",
+        type=float,
+        default=float(env_default("KVD_ROUTE_LOAD_SLACK", 2.0)),
+        help="see --route-load-factor (KVD_ROUTE_LOAD_SLACK)",
+    )
+    p.add_argument(
+        "--health-interval-s",
+        type=float,
+        default=float(env_default("KVD_HEALTH_INTERVAL_S", 0.5)),
+        help="how often each replica's gRPC health is checked (KVD_HEALTH_INTERVAL_S)",
+    )
+    p.add_argument(
+        "--dns-interval-s",
+        type=float,
+        default=float(env_default("KVD_DNS_INTERVAL_S", 5.0)),
+        help="how often dns: entries of --engines are resolved again (KVD_DNS_INTERVAL_S)",
     )
     p.add_argument("--log-level", default=env_default("KVD_LOG_LEVEL", "info"), help="(KVD_LOG_LEVEL)")
     return p
@@ -107,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logs.configure(args.log_level)
     from gateway.app import GatewayApp, GatewaySettings
+    from gateway.router import RouterConfig
 
     try:
         settings = GatewaySettings(
@@ -119,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
             tls_cert=Path(args.tls_cert) if args.tls_cert else None,
             tls_key=Path(args.tls_key) if args.tls_key else None,
             keeper_interval_s=args.keeper_interval_s,
+            routing=RouterConfig(args.routing, args.route_load_factor, args.route_load_slack),
+            health_interval_s=args.health_interval_s,
+            dns_interval_s=args.dns_interval_s,
         )
         app = GatewayApp(settings)
     except (ValueError, OSError) as exc:

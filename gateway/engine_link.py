@@ -69,10 +69,14 @@ class EngineLink:
         self.channel.close()
 
     def error(self, err: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
-        """The status and message a client gets for an engine's error."""
-        code = err.code()
-        if code == grpc.StatusCode.UNAVAILABLE:
-            return code, f"the engine at {self.address} is unavailable: {err.details()}"
-        if code in _PASSED_ON:
-            return code, err.details() or code.name
-        return grpc.StatusCode.UNAVAILABLE, f"the engine at {self.address} failed: {code.name}: {err.details()}"
+        return engine_error(err, f"the engine at {self.address}")
+
+
+def engine_error(err: grpc.RpcError, who: str = "an engine replica") -> tuple[grpc.StatusCode, str]:
+    """The status and message a client gets for an engine's error."""
+    code = err.code()
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return code, f"{who} is unavailable: {err.details()}"
+    if code in _PASSED_ON:
+        return code, err.details() or code.name
+    return grpc.StatusCode.UNAVAILABLE, f"{who} failed: {code.name}: {err.details()}"

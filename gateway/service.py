@@ -1,8 +1,14 @@
-"""The public gRPC API: generation through the engine, templates in Redis.
+"""The public gRPC API: generation through the engine replicas, templates in Redis.
 
 A templated request's prompt is the template's token ids followed by the
 prompt's own (tokenized separately, so the template's cached blocks are
 reused exactly). Every request carries its tenant's cache salt.
+
+Each request goes to the replica the router picks (see ``gateway.router``):
+a templated one by its template; any other by the block hashes of its
+tokens. A text or chat prompt is tokenized first, by any serving replica
+(every replica has the same tokenizer), and sent on as those token ids, so
+the replica computes exactly the blocks its hashes name.
 """
 
 from __future__ import annotations
@@ -10,14 +16,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 from collections.abc import Iterator
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from gateway.auth import SCOPE_GENERATE, SCOPE_TEMPLATES_WRITE, Authenticator, tenant_salt
-from gateway.engine_link import EngineLink
+from gateway.engine_link import engine_error
 from gateway.keeper import TemplateKeeper
+from gateway.replicas import ReplicaPool
+from gateway.router import NoReplica, RouteKey
 from gateway.templates import (
     StoreUnavailable,
     Template,
@@ -26,7 +35,9 @@ from gateway.templates import (
     TemplateStore,
     check_name,
     check_ttl,
+    warm_member,
 )
+from kvd.hashing import chain_block_hashes, encode_extra_keys
 from kvd_api.engine.v1 import engine_pb2 as epb
 from kvd_api.gateway.v1 import gateway_pb2 as pb
 from kvd_api.gateway.v1 import gateway_pb2_grpc as pb_grpc
@@ -39,6 +50,7 @@ _STATUS_BY_ERROR: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (TemplateNotFound, grpc.StatusCode.NOT_FOUND),
     (TemplateExists, grpc.StatusCode.ALREADY_EXISTS),
     (StoreUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (NoReplica, grpc.StatusCode.UNAVAILABLE),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
 )
 
@@ -55,9 +67,10 @@ def _unary(method):
 
 
 class GatewayService(pb_grpc.GatewayServicer):
-    def __init__(self, store: TemplateStore, engine: EngineLink, keeper: TemplateKeeper, auth: Authenticator) -> None:
+    def __init__(self, store: TemplateStore, pool: ReplicaPool, keeper: TemplateKeeper, auth: Authenticator) -> None:
         self.store = store
-        self.engine = engine
+        self.pool = pool
+        self.router = pool.router
         self.keeper = keeper
         self.auth = auth
 
@@ -66,8 +79,8 @@ class GatewayService(pb_grpc.GatewayServicer):
         """Aborts the call with the status of a store, argument or engine error."""
         try:
             yield
-        except grpc.RpcError as err:  # from the engine
-            context.abort(*self.engine.error(err))
+        except grpc.RpcError as err:  # from an engine
+            context.abort(*engine_error(err))
         except tuple(e for e, _ in _STATUS_BY_ERROR) as exc:
             context.abort(next(c for e, c in _STATUS_BY_ERROR if isinstance(exc, e)), str(exc))
 
@@ -75,14 +88,14 @@ class GatewayService(pb_grpc.GatewayServicer):
 
     def Generate(self, request, context):
         principal = self.auth.authorize(context, SCOPE_GENERATE)
-        engine_request, template_tokens = self._engine_request(principal.tenant, request, context)
-        yield from self._relay(engine_request, template_tokens, context)
+        engine_request, template_tokens, key = self._engine_request(principal.tenant, request, context)
+        yield from self._relay(engine_request, template_tokens, key, context)
 
     def Complete(self, request, context):
         principal = self.auth.authorize(context, SCOPE_GENERATE)
-        engine_request, template_tokens = self._engine_request(principal.tenant, request, context)
+        engine_request, template_tokens, key = self._engine_request(principal.tenant, request, context)
         whole = pb.GenerateResponse()
-        for message in self._relay(engine_request, template_tokens, context):
+        for message in self._relay(engine_request, template_tokens, key, context):
             whole.token_ids.extend(message.token_ids)
             whole.text += message.text
             whole.logprobs.extend(message.logprobs)
@@ -91,39 +104,57 @@ class GatewayService(pb_grpc.GatewayServicer):
                 whole.usage.CopyFrom(message.usage)
         return whole
 
-    def _engine_request(self, tenant: str, request, context) -> tuple[epb.GenerateRequest, int]:
-        """The engine's request (template tokens first), and how many template tokens it has."""
+    def _engine_request(self, tenant: str, request, context) -> tuple[epb.GenerateRequest, int, RouteKey]:
+        """The engine's request (template tokens first), its template's token
+        count, and what routes it."""
         out = epb.GenerateRequest(cache_salt=tenant_salt(tenant, request.cache_salt))
         out.sampling.CopyFrom(request.sampling)
         kind = request.WhichOneof("prompt")
-        if not request.template:
-            if kind == "text":
-                out.text = request.text
-            elif kind == "chat":
-                out.chat.CopyFrom(request.chat)
-            elif kind == "token_ids":
-                out.token_ids.CopyFrom(request.token_ids)
-            else:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: give text, chat messages or token ids")
-            return out, 0
+        if kind is None and not request.template:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: give text, chat messages or token ids")
         with self._statuses(context):
-            template = self.store.get(tenant, request.template)
-            prompt = self._prompt_ids(request, kind)
-        out.token_ids.ids.extend(template.token_ids + prompt)
-        return out, len(template.token_ids)
+            if request.template:
+                template = self.store.get(tenant, request.template)
+                out.token_ids.ids.extend(template.token_ids + self._prompt_ids(request, kind))
+                return out, len(template.token_ids), RouteKey(template=warm_member(tenant, request.template))
+            if not self._by_prefix() or (kind == "text" and not request.text):
+                if kind == "text":
+                    out.text = request.text
+                elif kind == "chat":
+                    out.chat.CopyFrom(request.chat)
+                else:
+                    out.token_ids.CopyFrom(request.token_ids)
+                return out, 0, RouteKey()
+            out.token_ids.ids.extend(self._prompt_ids(request, kind))
+            block_size = self.pool.any_serving().model_info().block_size
+            hashes = chain_block_hashes(out.token_ids.ids, block_size, encode_extra_keys(out.cache_salt))
+            return out, 0, RouteKey(block_hashes=tuple(hashes))
+
+    def _by_prefix(self) -> bool:
+        """Whether a plain request's blocks should pick its replica: only when
+        there is a choice to make (the tokenizing call costs a round trip)."""
+        return self.router.config.policy == "affinity" and len(self.router.serving()) > 1
 
     def _prompt_ids(self, request, kind: str | None) -> list[int]:
         """The prompt's own tokens (may be empty: the template alone is a prompt)."""
         if kind == "token_ids":
             return list(request.token_ids.ids)
         if kind == "chat":
-            return self.engine.tokenize(epb.TokenizeRequest(chat=request.chat))
+            return self.pool.any_serving().tokenize(epb.TokenizeRequest(chat=request.chat))
         if kind == "text" and request.text:
-            return self.engine.tokenize(epb.TokenizeRequest(text=request.text))
+            return self.pool.any_serving().tokenize(epb.TokenizeRequest(text=request.text))
         return []
 
-    def _relay(self, engine_request: epb.GenerateRequest, template_tokens: int, context) -> Iterator:
-        call = self.engine.stub.Generate(engine_request, timeout=context.time_remaining())
+    def _relay(self, engine_request: epb.GenerateRequest, template_tokens: int, key: RouteKey, context) -> Iterator:
+        try:
+            address = self.router.choose(key)
+        except NoReplica as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        link = self.pool.link(address)
+        self.router.started(address)
+        finished = _Once(lambda: self.router.finished(address))
+        context.add_callback(finished)  # a cancelled stream may never resume this generator
+        call = link.stub.Generate(engine_request, timeout=context.time_remaining())
         # A client that cancels (or whose deadline passes) cancels the engine's
         # request, which frees its blocks.
         context.add_callback(call.cancel)
@@ -131,8 +162,15 @@ class GatewayService(pb_grpc.GatewayServicer):
             for message in call:
                 yield _response(message, template_tokens)
         except grpc.RpcError as err:
+            # NOTE: never retried elsewhere: tokens may have reached the client
+            # already. New requests route around the replica until its health
+            # check says it serves again.
+            if err.code() == grpc.StatusCode.UNAVAILABLE:
+                self.pool.mark_down(address)
             if context.is_active():
-                context.abort(*self.engine.error(err))
+                context.abort(*link.error(err))
+        finally:
+            finished()
 
     # ----------------------------------------------------------- templates
 
@@ -143,8 +181,9 @@ class GatewayService(pb_grpc.GatewayServicer):
         check_ttl(request.ttl_seconds)
         if not request.content:
             raise ValueError("content must not be empty")
-        token_ids = self.engine.tokenize(epb.TokenizeRequest(text=request.content))
-        max_context = self.engine.model_info().max_context
+        engine = self.pool.any_serving()
+        token_ids = engine.tokenize(epb.TokenizeRequest(text=request.content))
+        max_context = engine.model_info().max_context
         if len(token_ids) >= max_context:
             raise ValueError(
                 f"content is {len(token_ids)} tokens; the model's context of {max_context} tokens "
@@ -155,7 +194,7 @@ class GatewayService(pb_grpc.GatewayServicer):
         )
         try:
             self.keeper.warm(template, timeout_s=context.time_remaining())
-        except grpc.RpcError:
+        except (grpc.RpcError, NoReplica):
             # Not usable as promised: the name stays free for another try.
             self.store.delete(tenant, request.name)
             raise
@@ -186,7 +225,7 @@ class GatewayService(pb_grpc.GatewayServicer):
     def DeleteTemplate(self, request, context):
         tenant = self.auth.authorize(context, SCOPE_TEMPLATES_WRITE).tenant
         self.store.delete(tenant, request.name)
-        self.keeper.release(tenant, request.name)  # or the keeper's sweep, if the engine is down
+        self.keeper.release(tenant, request.name)  # or the keeper's sweep, if a replica is down
         log.info("template deleted", extra={"tenant": tenant, "template": request.name})
         return pb.DeleteTemplateResponse()
 
@@ -195,7 +234,7 @@ class GatewayService(pb_grpc.GatewayServicer):
     @_unary
     def Info(self, request, context):
         tenant = self.auth.authorize(context, None).tenant
-        info = self.engine.model_info()
+        info = self.pool.any_serving().model_info()
         try:
             templates = self.store.count(tenant)
         except StoreUnavailable:
@@ -206,7 +245,26 @@ class GatewayService(pb_grpc.GatewayServicer):
             max_context=info.max_context,
             templates=templates,
             version=VERSION,
-        )
+            replicas=[
+                pb.Replica(address=r.address, serving=r.serving, in_flight=r.in_flight,
+                           known_blocks=r.known_blocks, templates=self.keeper.pinned_on(r.address))
+                for r in self.router.snapshot()
+            ],
+        )  # fmt: skip
+
+
+class _Once:
+    """Calls ``fn`` the first time it is called, from whichever thread."""
+
+    def __init__(self, fn) -> None:
+        self._fn = fn
+        self._lock = threading.Lock()
+
+    def __call__(self) -> None:
+        with self._lock:
+            fn, self._fn = self._fn, None
+        if fn is not None:
+            fn()
 
 
 def _response(message: epb.GenerateResponse, template_tokens: int) -> pb.GenerateResponse:

@@ -136,6 +136,19 @@ class EngineService(pb_grpc.EngineServicer):
         with _daemon_errors(context):
             return pb.UnpinResponse(unpinned_blocks=daemon.unpin(request.pin_id))
 
+    def BlockEvents(self, request, context):
+        # NOTE: the gateway knows engine addresses only (the daemon may sit on a
+        # unix socket inside the engine's pod), so the engine relays its daemon's
+        # events as they are. A daemon lost mid-stream ends the call; the
+        # caller subscribes again and reaches whichever daemon is attached then.
+        events = self._daemon(context).events()
+        context.add_callback(events.cancel)  # the client left: stop the daemon's stream
+        try:
+            yield from events
+        except grpc.RpcError as err:
+            if context.is_active():
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"KV-cache daemon events: {err.details()}")
+
     def _daemon(self, context) -> DaemonClient:
         session = self.engine.session
         if session is None:

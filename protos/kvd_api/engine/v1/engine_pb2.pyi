@@ -1,3 +1,4 @@
+from kvd_api.daemon.v1 import daemon_pb2 as _daemon_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -191,3 +192,7 @@ class InfoResponse(_message.Message):
     device: str
     cache_id: str
     def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_context: _Optional[int] = ..., attention_backend: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., cache_id: _Optional[str] = ...) -> None: ...
+
+class BlockEventsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from kvd_api.daemon.v1 import daemon_pb2 as kvd__api_dot_daemon_dot_v1_dot_daemon__pb2
 from kvd_api.engine.v1 import engine_pb2 as kvd__api_dot_engine_dot_v1_dot_engine__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -59,6 +60,11 @@ class EngineStub:
                 request_serializer=kvd__api_dot_engine_dot_v1_dot_engine__pb2.InfoRequest.SerializeToString,
                 response_deserializer=kvd__api_dot_engine_dot_v1_dot_engine__pb2.InfoResponse.FromString,
                 _registered_method=True)
+        self.BlockEvents = channel.unary_stream(
+                '/kvd.engine.v1.Engine/BlockEvents',
+                request_serializer=kvd__api_dot_engine_dot_v1_dot_engine__pb2.BlockEventsRequest.SerializeToString,
+                response_deserializer=kvd__api_dot_daemon_dot_v1_dot_daemon__pb2.BlockEvents.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -100,6 +106,17 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BlockEvents(self, request, context):
+        """The block events (stored / removed / all cleared) of the daemon this
+        engine is attached to, relayed as the daemon sends them, so a router that
+        only knows engine addresses can learn which prefixes each replica holds.
+        Only events after the call starts; UNAVAILABLE while the engine has no
+        daemon, and the stream ends when the daemon is lost (subscribe again).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -127,6 +144,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=kvd__api_dot_engine_dot_v1_dot_engine__pb2.InfoRequest.FromString,
                     response_serializer=kvd__api_dot_engine_dot_v1_dot_engine__pb2.InfoResponse.SerializeToString,
+            ),
+            'BlockEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.BlockEvents,
+                    request_deserializer=kvd__api_dot_engine_dot_v1_dot_engine__pb2.BlockEventsRequest.FromString,
+                    response_serializer=kvd__api_dot_daemon_dot_v1_dot_daemon__pb2.BlockEvents.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -264,6 +286,33 @@ class Engine:
             '/kvd.engine.v1.Engine/Info',
             kvd__api_dot_engine_dot_v1_dot_engine__pb2.InfoRequest.SerializeToString,
             kvd__api_dot_engine_dot_v1_dot_engine__pb2.InfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BlockEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvd.engine.v1.Engine/BlockEvents',
+            kvd__api_dot_engine_dot_v1_dot_engine__pb2.BlockEventsRequest.SerializeToString,
+            kvd__api_dot_daemon_dot_v1_dot_daemon__pb2.BlockEvents.FromString,
             options,
             channel_credentials,
             insecure,

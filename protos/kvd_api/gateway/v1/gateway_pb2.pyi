@@ -131,15 +131,31 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "block_size", "max_context", "templates", "version")
+    __slots__ = ("model", "block_size", "max_context", "templates", "version", "replicas")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     TEMPLATES_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     model: str
     block_size: int
     max_context: int
     templates: int
     version: str
-    def __init__(self, model: _Optional[str] = ..., block_size: _Optional[int] = ..., max_context: _Optional[int] = ..., templates: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
+    replicas: _containers.RepeatedCompositeFieldContainer[Replica]
+    def __init__(self, model: _Optional[str] = ..., block_size: _Optional[int] = ..., max_context: _Optional[int] = ..., templates: _Optional[int] = ..., version: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
+
+class Replica(_message.Message):
+    __slots__ = ("address", "serving", "in_flight", "known_blocks", "templates")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TEMPLATES_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    serving: bool
+    in_flight: int
+    known_blocks: int
+    templates: int
+    def __init__(self, address: _Optional[str] = ..., serving: _Optional[bool] = ..., in_flight: _Optional[int] = ..., known_blocks: _Optional[int] = ..., templates: _Optional[int] = ...) -> None: ...

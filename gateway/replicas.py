@@ -1,0 +1,164 @@
+"""The engine replicas behind a gateway: their links, health and block events.
+
+A monitor thread, every ``health_interval_s``: resolves the endpoints again
+(every ``resolve_interval_s``; ``dns:`` names follow their pods), checks each
+replica's gRPC health, and tells the router. One relay thread per replica
+follows its ``BlockEvents`` stream into the router; when the stream breaks
+(the engine or its daemon went away) what the replica was known to hold is
+forgotten, and the stream is opened again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gateway.endpoints import expand
+from gateway.engine_link import EngineLink
+from gateway.router import Event, NoReplica, Router
+from kvd_api.daemon.v1 import daemon_pb2 as dpb
+from kvd_api.engine.v1 import engine_pb2 as epb
+
+log = logging.getLogger("gateway.replicas")
+
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+class ReplicaPool:
+    """Args:
+    endpoints: ``HOST:PORT`` and ``dns:NAME:PORT`` entries.
+    router: told of replicas, health and events.
+    health_interval_s: how often each replica's health is checked.
+    resolve_interval_s: how often ``dns:`` names are resolved again.
+    on_health: told, each round, whether any replica serves.
+    resolve: the endpoint expansion (tests give their own resolver).
+    """
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        router: Router,
+        health_interval_s: float = 0.5,
+        resolve_interval_s: float = 5.0,
+        on_health: Callable[[bool], None] = lambda up: None,
+        resolve: Callable[[Sequence[str]], list[str]] = expand,
+    ) -> None:
+        self.endpoints = list(endpoints)
+        self.router = router
+        self.health_interval_s = health_interval_s
+        self.resolve_interval_s = resolve_interval_s
+        self.on_health = on_health
+        self._resolve = resolve
+        self._links: dict[str, EngineLink] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._monitor = threading.Thread(target=self._run, name="replica-monitor", daemon=True)
+        self._resolved_at = -float("inf")
+
+    # -------------------------------------------------------------- links
+
+    def link(self, address: str) -> EngineLink:
+        with self._lock:
+            return self._links[address]
+
+    def links(self) -> dict[str, EngineLink]:
+        with self._lock:
+            return dict(self._links)
+
+    def any_serving(self) -> EngineLink:
+        """A serving replica's link (for calls any replica answers alike: Tokenize, Info).
+
+        Raises:
+            NoReplica: none serves.
+        """
+        serving = self.router.serving()
+        if not serving:
+            raise NoReplica(f"no engine replica is serving (replicas: {', '.join(self.router.addresses()) or 'none'})")
+        return self.link(serving[0])
+
+    def mark_down(self, address: str) -> None:
+        """A call found ``address`` unavailable: route around it until its health says otherwise."""
+        self.router.set_serving(address, False)
+
+    # -------------------------------------------------------------- rounds
+
+    def start(self) -> None:
+        self.refresh()
+        self._monitor.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._monitor.join(timeout=5)
+        with self._lock:
+            links, self._links = self._links, {}
+        for link in links.values():
+            link.close()  # also ends its relay's stream
+
+    def refresh(self) -> None:
+        """One round: the replicas (re-resolved when due), then their health."""
+        if time.monotonic() - self._resolved_at >= self.resolve_interval_s:
+            self._resolved_at = time.monotonic()
+            self._set_addresses(self._resolve(self.endpoints))
+        for address, link in self.links().items():
+            self.router.set_serving(address, _serving(link))
+        self.on_health(bool(self.router.serving()))
+
+    def _set_addresses(self, addresses: list[str]) -> None:
+        with self._lock:
+            added = [a for a in addresses if a not in self._links]
+            removed = [self._links.pop(a) for a in list(self._links) if a not in addresses]
+            for address in added:
+                self._links[address] = EngineLink(address)
+        self.router.set_replicas(addresses)
+        for link in removed:
+            log.info("engine replica gone", extra={"engine": link.address})
+            link.close()
+        for address in added:
+            log.info("engine replica added", extra={"engine": address})
+            threading.Thread(target=self._relay, args=(address,), name=f"events-{address}", daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.health_interval_s):
+            try:
+                self.refresh()
+            except Exception:  # a bug in one round must not stop the monitor
+                log.exception("replica monitor round failed")
+
+    def _relay(self, address: str) -> None:
+        """Follows one replica's block events while it is in the pool."""
+        while not self._stop.is_set():
+            with self._lock:
+                link = self._links.get(address)
+            if link is None:
+                return  # dropped from the pool
+            try:
+                for batch in link.stub.BlockEvents(epb.BlockEventsRequest()):
+                    self.router.apply(address, [_event(e) for e in batch.events])
+            except (grpc.RpcError, ValueError):  # ValueError: the channel was closed
+                pass
+            # Events were missed while the stream was down: what we knew may be stale.
+            self.router.forget(address)
+            self._stop.wait(0.5)
+
+
+def _serving(link: EngineLink) -> bool:
+    try:
+        reply = health_pb2_grpc.HealthStub(link.channel).Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+    except grpc.RpcError:
+        return False
+    return reply.status == _SERVING
+
+
+def _event(event: dpb.BlockEvent) -> Event:
+    kind = event.WhichOneof("kind")
+    if kind == "all_cleared":
+        return ("cleared", (), 0)
+    body = event.stored if kind == "stored" else event.removed
+    # A block counts as held while it is stored in any tier (device or host):
+    # a host-tier hit costs a copy, far less than recomputing it.
+    return (kind, tuple(body.block_hashes), body.tier)
