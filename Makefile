@@ -52,6 +52,7 @@ serve: setup
 bench: setup
 	$(BIN)/python benchmarks/block_pool.py --json benchmarks/results/block_pool.json
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python benchmarks/e2e.py --json benchmarks/results/e2e.json
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python benchmarks/offload.py --json benchmarks/results/offload.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
