@@ -60,14 +60,14 @@ def workload(seed: int) -> list[list[int]]:
     ]
 
 
-def churn(address: str, prompts: list[list[int]], churn_s: float, seed: int) -> list[tuple]:
-    """Rounds of CONCURRENT requests at once, at least two, for ``churn_s`` seconds."""
+def churn(address: str, prompts: list[list[int]], churn_s: float, seed: int, min_rounds: int = 2) -> list[tuple]:
+    """Rounds of CONCURRENT requests at once, at least ``min_rounds``, for ``churn_s`` seconds."""
     client = stub(address)
     rng = random.Random(seed)
     results = []
     started = time.monotonic()
     rounds = 0
-    while rounds < 2 or time.monotonic() - started < churn_s:
+    while rounds < min_rounds or time.monotonic() - started < churn_s:
         batch = rng.sample(prompts * -(-CONCURRENT // len(prompts)), CONCURRENT)
         with cf.ThreadPoolExecutor(CONCURRENT) as pool:
             outputs = list(pool.map(lambda ids: generate(client, request(ids, NEW_TOKENS)), batch))
@@ -116,7 +116,7 @@ def test_killing_the_engine_amid_swap_ins_leaves_nothing_held_or_copying(stack_f
         engine_args=["--token-budget", "256"],
     )
     prompts = workload(seed=3)
-    churn(engine.address, prompts, 0, seed=4)  # fills the host tier; the device holds a fraction
+    churn(engine.address, prompts, 0, seed=4, min_rounds=1)  # fills the host tier; the device holds a fraction
     client = stub(engine.address)
     pool = cf.ThreadPoolExecutor(CONCURRENT)
     futures = [pool.submit(generate, client, request(ids, 64)) for ids in prompts[:CONCURRENT]]
