@@ -69,7 +69,9 @@ class TierCopier:
         self.cache = cache
         self.on_cuda = cache.is_cuda
         # Pinned on CUDA: asynchronous copies need page-locked host memory.
-        self.host = torch.zeros((num_host_blocks, *cache.shape[1:]), dtype=cache.dtype, pin_memory=self.on_cuda)
+        # Uninitialised: a slot is written before it is ever read, and pages
+        # without a GPU are then only committed as the tier fills.
+        self.host = torch.empty((num_host_blocks, *cache.shape[1:]), dtype=cache.dtype, pin_memory=self.on_cuda)
         self.block_bytes = cache[0].numel() * cache.element_size()
         self.stats = CopyStats()
         self._lock = lock
