@@ -57,6 +57,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, Block] = {}
         self.num_evictions = 0
+        self.num_copying = 0  # blocks with pending_copies > 0 (kept, not scanned: Stats runs under the lock)
         self._events: list[BlockEvent] = []
 
     @property
@@ -140,12 +141,16 @@ class BlockPool:
         """An outgoing copy starts reading ``block``: it is COPYING until
         :meth:`copy_finished`, and not handed out even if everyone else lets go."""
         self.touch((block,))
+        if block.pending_copies == 0:
+            self.num_copying += 1
         block.pending_copies += 1
 
     def copy_finished(self, block: Block) -> None:
         """The copy that :meth:`hold_for_copy` announced is done reading."""
         assert block.pending_copies > 0, f"{block} has no copy in flight"
         block.pending_copies -= 1
+        if block.pending_copies == 0:
+            self.num_copying -= 1
         self.release((block,))
 
     # ------------------------------------------------------------ caching

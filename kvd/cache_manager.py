@@ -158,16 +158,20 @@ class KVCacheManager:
         assert self.host is not None
         fresh = iter(new_blocks)
         table: list[Block] = []
+        swap_ins: list[tuple[HostSlot, Block]] = []
+        swapped_hashes: list[bytes] = []
         for position, source in enumerate(cached):
             if isinstance(source, Block):
                 table.append(source)
                 continue
             block = next(fresh)
-            self.host.begin_read([source])
-            self.pool.cache_blocks([block], [hashes[position]])
-            self.swap_ins.append((source, block))
+            swap_ins.append((source, block))
+            swapped_hashes.append(hashes[position])
             table.append(block)
         table.extend(fresh)
+        self.host.begin_read([slot for slot, _ in swap_ins])
+        self.pool.cache_blocks([block for _, block in swap_ins], swapped_hashes)
+        self.swap_ins.extend(swap_ins)
         return table
 
     def append(self, request: Request, num_tokens: int) -> list[Block] | None:

@@ -286,7 +286,7 @@ class Daemon:
         with self.lock:
             pool, _, _ = self._ready()
             try:
-                if self.host is not None and any(s.writing or s.readers for s in self.host.slots):
+                if self.host is not None and self.host.num_in_copy:
                     raise ValueError("tier copies are in flight")
                 cleared = pool.reset()
             except ValueError as exc:
@@ -337,8 +337,8 @@ class Daemon:
             "num_host_blocks": host.num_slots,
             "num_host_free_blocks": host.num_free,
             "num_host_cached_blocks": len(host.cached),
-            "num_copying_blocks": sum(1 for b in pool.blocks if b.pending_copies),
-            "num_host_blocks_read": sum(1 for s in host.slots if s.readers),
+            "num_copying_blocks": pool.num_copying,
+            "num_host_blocks_read": host.num_read,
             "host_hit_tokens": self.manager.host_hit_tokens if self.manager else 0,
             "host_evictions": host.num_evictions,
             "bytes_to_host": c.bytes_to_host,

@@ -67,11 +67,17 @@ class HostTier:
         self.cached: OrderedDict[bytes, HostSlot] = OrderedDict()
         self.writing: dict[bytes, HostSlot] = {}
         self.num_evictions = 0
+        self.num_read = 0  # slots with readers > 0
         self._record = record or (lambda event: None)
 
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    @property
+    def num_in_copy(self) -> int:
+        """Slots being written or read: while any is, the tier cannot be cleared."""
+        return len(self.writing) + self.num_read
 
     def holds(self, block_hash: bytes) -> bool:
         """Stored here or on its way here."""
@@ -121,6 +127,8 @@ class HostTier:
         and cannot be evicted until :meth:`end_read`."""
         for slot in slots:
             assert slot.state is SlotState.READY, f"{slot} is not readable"
+            if slot.readers == 0:
+                self.num_read += 1
             slot.readers += 1
             self.cached.move_to_end(slot.block_hash)
 
@@ -128,6 +136,8 @@ class HostTier:
         for slot in slots:
             assert slot.readers > 0, f"{slot} was not being read"
             slot.readers -= 1
+            if slot.readers == 0:
+                self.num_read -= 1
 
     # ------------------------------------------------------------ clearing
 
@@ -136,9 +146,8 @@ class HostTier:
 
         Returns: the number of blocks dropped.
         """
-        busy = [s for s in self.slots if s.writing or s.readers]
-        if busy:
-            raise ValueError(f"{len(busy)} host blocks are being copied")
+        if self.num_in_copy:
+            raise ValueError(f"{self.num_in_copy} host blocks are being copied")
         dropped = len(self.cached)
         for slot in self.cached.values():
             slot.block_hash = None

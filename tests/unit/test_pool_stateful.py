@@ -476,6 +476,7 @@ class PoolMachine(RuleBasedStateMachine):
     @invariant()
     def a_block_being_copied_out_is_never_free(self):
         copying = Counter(b.block_id for b, _ in self.copies_out)
+        assert self.pool.num_copying == len(copying)
         for block in self.pool.blocks:
             assert block.pending_copies == copying[block.block_id], block
             if block.pending_copies:
@@ -495,7 +496,7 @@ class PoolMachine(RuleBasedStateMachine):
         for block_hash, slot in host.writing.items():
             assert slot.block_hash == block_hash
         assert {s.slot_id for _, s in self.copies_out} == {s.slot_id for s in host.writing.values()}
-        assert all(s.readers == 0 for s in host.slots), "a swap-in outlived its step"
+        assert all(s.readers == 0 for s in host.slots) and host.num_read == 0, "a swap-in outlived its step"
         assert set(host.cached) <= self.committed_hashes, "the host holds a hash nobody committed"
 
     @invariant()
