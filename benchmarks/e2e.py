@@ -15,7 +15,9 @@ submitted at once (t = 0). Four variants, side by side in one run:
 
 Each reports total seconds (t = 0 to the last request's last token), output
 tokens/s, mean and p90 time to first token (from t = 0, so queueing counts)
-and the cached share of prompt tokens. Then, on the ``kvd`` engine, the time
+and the cached share of prompt tokens. hf_generate runs once; the other three
+take turns for ``--rounds`` rounds (default 3) and report medians, since this
+machine's speed drifts by 10-20% from one minute to the next. Then, on the ``kvd`` engine, the time
 to first token of a request whose 1,000-token prefix is cold, then warm (same
 prefix, another suffix), for a few distinct prefixes (medians).
 
@@ -56,6 +58,7 @@ from kvd_api.engine.v1 import engine_pb2 as pb  # noqa: E402
 from kvd_api.engine.v1 import engine_pb2_grpc as pb_grpc  # noqa: E402
 
 VARIANTS = ("hf_generate", "hf_continuous_batching", "kvd_no_cache", "kvd")
+ENGINE_VARIANTS = ("kvd_no_cache", "kvd")
 METRICS = ("total_s", "output_tokens_per_s", "ttft_mean_s", "ttft_p90_s", "cached_token_ratio")
 BLOCK_SIZE = 16
 #: The engine's default --token-budget; transformers' continuous batching gets
@@ -288,6 +291,16 @@ class Run:
         }
 
 
+def combine_rounds(runs: list[Run]) -> dict[str, Any]:
+    """One variant over its rounds: each metric's median, the median round's
+    details (per request), and every round's headline figures."""
+    summaries = [run.summary() for run in runs]
+    middle = sorted(summaries, key=lambda s: s["total_s"])[(len(summaries) - 1) // 2]
+    combined = {**middle, **{m: common.median([s[m] for s in summaries]) for m in METRICS}}
+    combined["rounds"] = [{m: s[m] for m in METRICS} for s in summaries]
+    return combined
+
+
 class FirstTokenTimer:
     """A ``generate`` streamer that notes when the first new token exists.
 
@@ -448,17 +461,18 @@ class Stream:
     error: str | None = None
 
 
-def engine_request(prompt: list[int], new_tokens: int) -> pb.GenerateRequest:
+def engine_request(prompt: list[int], new_tokens: int, salt: bytes = b"") -> pb.GenerateRequest:
     return pb.GenerateRequest(
         token_ids=pb.TokenIds(ids=prompt),
         sampling=pb.SamplingParams(max_new_tokens=new_tokens, ignore_eos=True),  # greedy: no temperature
+        cache_salt=salt,
     )
 
 
-def stream(stub, prompt: list[int], new_tokens: int) -> Stream:
+def stream(stub, prompt: list[int], new_tokens: int, salt: bytes = b"") -> Stream:
     s = Stream()
     try:
-        for message in stub.Generate(engine_request(prompt, new_tokens), timeout=RPC_TIMEOUT_S):
+        for message in stub.Generate(engine_request(prompt, new_tokens, salt), timeout=RPC_TIMEOUT_S):
             if message.token_ids and s.first_token_at is None:
                 s.first_token_at = time.perf_counter()
             s.tokens.extend(message.token_ids)
@@ -472,9 +486,10 @@ def stream(stub, prompt: list[int], new_tokens: int) -> Stream:
     return s
 
 
-def run_concurrent(stub, label: str, prompts: list[list[int]], new_tokens: int) -> Run:
+def run_concurrent(stub, label: str, prompts: list[list[int]], new_tokens: int, salt: bytes) -> Run:
     """Every prompt in its own thread, released together at t = 0; TTFT is the
-    client's: t0 to the first streamed message with tokens."""
+    client's: t0 to the first streamed message with tokens. The cache salt
+    keeps one round's blocks from serving the next (each round starts cold)."""
     streams: list[Stream | None] = [None] * len(prompts)
     go = threading.Event()
     lock = threading.Lock()
@@ -482,7 +497,7 @@ def run_concurrent(stub, label: str, prompts: list[list[int]], new_tokens: int) 
 
     def worker(i: int) -> None:
         go.wait()
-        streams[i] = stream(stub, prompts[i], new_tokens)
+        streams[i] = stream(stub, prompts[i], new_tokens, salt)
         with lock:
             progress.advance()
 
@@ -544,54 +559,69 @@ def run_warm_cold(stub, w: Workload, new_tokens: int) -> dict[str, Any]:
     }
 
 
-def run_engine(
-    name: str, w: Workload, new_tokens: int, model_path: Path, num_blocks: int, prefix_caching: bool, workdir: str,
-    warm_cold_new_tokens: int, launched: list[dict[str, Any]], device: str, dtype: str,
-) -> tuple[Run, dict[str, Any] | None]:  # fmt: skip
-    """A fresh daemon and engine for one variant; both are stopped on the way out."""
-    folder = os.path.join(workdir, name)
-    os.makedirs(folder, exist_ok=True)
-    daemon_flags = [
-        "--metrics-port", "0", "--block-size", str(BLOCK_SIZE), "--num-blocks", str(num_blocks),
-        "--device", device, "--log-level", "warning",
-    ]  # fmt: skip
-    engine_flags = ["--model", str(model_path), "--dtype", dtype, "--device", device]
-    engine_flags += ["--token-budget", str(TOKEN_BUDGET)]
-    if not prefix_caching:
-        engine_flags.append("--no-prefix-caching")
-    daemon = common.KvdProcess(folder, daemon_flags, name="kvd")
-    engine = common.EngineProcess(folder, daemon.address, engine_flags, name="engine")
-    channel = None
-    try:
-        daemon.start()
-        engine.start()
-        launched.append(
-            {
-                "variant": name,
-                "daemon": " ".join(daemon.command).replace(workdir, "<tmpdir>"),
-                "engine": " ".join(engine.command).replace(workdir, "<tmpdir>").replace(sys.executable, "python"),
-                "engine_startup_s": round(engine.startup_s, 2),
-            }
-        )
-        channel = grpc.insecure_channel(engine.address)
-        stub = pb_grpc.EngineStub(channel)
-        warm = stream(stub, w.warmup, 4)
-        if warm.error:
-            raise RuntimeError(f"warm-up request failed: {warm.error}")
-        run = run_concurrent(stub, name, w.prompts, new_tokens)
-        warm_cold = run_warm_cold(stub, w, warm_cold_new_tokens) if prefix_caching else None
-        if engine.proc is None or engine.proc.poll() is not None:
-            raise RuntimeError(f"the engine exited:\n{engine.log_tail()}")
-        return run, warm_cold
-    except Exception as exc:
-        raise RuntimeError(
-            f"{exc}\n--- engine log ---\n{engine.log_tail()}\n--- kvd log ---\n{daemon.log_tail()}"
-        ) from exc
-    finally:
-        if channel is not None:
-            channel.close()
-        engine.stop()
-        daemon.stop()
+class EngineVariant:
+    """A kvd daemon and engine serving one variant for every round; started
+    lazily, stopped by ``stop``."""
+
+    def __init__(
+        self, name: str, model_path: Path, num_blocks: int, prefix_caching: bool, workdir: str, device: str, dtype: str
+    ) -> None:
+        self.name = name
+        folder = os.path.join(workdir, name)
+        os.makedirs(folder, exist_ok=True)
+        daemon_flags = [
+            "--metrics-port", "0", "--block-size", str(BLOCK_SIZE), "--num-blocks", str(num_blocks),
+            "--device", device, "--log-level", "warning",
+        ]  # fmt: skip
+        engine_flags = ["--model", str(model_path), "--dtype", dtype, "--device", device]
+        engine_flags += ["--token-budget", str(TOKEN_BUDGET)]
+        if not prefix_caching:
+            engine_flags.append("--no-prefix-caching")
+        self.workdir = workdir
+        self.daemon = common.KvdProcess(folder, daemon_flags, name="kvd")
+        self.engine = common.EngineProcess(folder, self.daemon.address, engine_flags, name="engine")
+        self.channel = None
+        self.stub = None
+
+    def start(self, warmup: list[int]) -> dict[str, Any]:
+        """Starts both processes and sends one untimed warm-up request.
+
+        Returns:
+            How they were launched (for the report).
+        """
+        self.daemon.start()
+        self.engine.start()
+        self.channel = grpc.insecure_channel(self.engine.address)
+        self.stub = pb_grpc.EngineStub(self.channel)
+        self._check(stream(self.stub, warmup, 4), "warm-up request")
+        return {
+            "variant": self.name,
+            "daemon": " ".join(self.daemon.command).replace(self.workdir, "<tmpdir>"),
+            "engine": " ".join(self.engine.command).replace(self.workdir, "<tmpdir>").replace(sys.executable, "python"),
+            "engine_startup_s": round(self.engine.startup_s, 2),
+        }
+
+    def run(self, w: Workload, new_tokens: int, round_index: int) -> Run:
+        run = run_concurrent(self.stub, self.name, w.prompts, new_tokens, f"e2e-round-{round_index}".encode())
+        if self.engine.proc is None or self.engine.proc.poll() is not None:
+            raise RuntimeError("the engine exited")
+        return run
+
+    def warm_cold(self, w: Workload, new_tokens: int) -> dict[str, Any]:
+        return run_warm_cold(self.stub, w, new_tokens)
+
+    def logs(self) -> str:
+        return f"--- engine log ---\n{self.engine.log_tail()}\n--- kvd log ---\n{self.daemon.log_tail()}"
+
+    def stop(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+        self.engine.stop()
+        self.daemon.stop()
+
+    def _check(self, s: Stream, what: str) -> None:
+        if s.error:
+            raise RuntimeError(f"{what} failed: {s.error}")
 
 
 # ------------------------------------------------------------------ report
@@ -629,6 +659,20 @@ def build_ratios(results: dict[str, Any]) -> dict[str, float | None]:
         "hf_cb_throughput_vs_hf_generate": common.ratio(
             get("hf_continuous_batching", "output_tokens_per_s"), get("hf_generate", "output_tokens_per_s")
         ),
+    }
+
+
+def paired_ratios(results: dict[str, Any]) -> dict[str, list[float]]:
+    """The target ratios of each round on its own (kvd against the
+    continuous batching run just before it)."""
+    cb = (results.get("hf_continuous_batching") or {}).get("rounds") or []
+    kvd = (results.get("kvd") or {}).get("rounds") or []
+    if not cb or len(cb) != len(kvd):
+        return {}
+    pairs = list(zip(kvd, cb, strict=True))
+    return {
+        "throughput_vs_hf_cb": [k["output_tokens_per_s"] / c["output_tokens_per_s"] for k, c in pairs],
+        "ttft_vs_hf_cb": [k["ttft_mean_s"] / c["ttft_mean_s"] for k, c in pairs],
     }
 
 
@@ -706,6 +750,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="cpu or cuda: the daemon's cache, the engine and the hf baselines")
     p.add_argument("--dtype", default="", help="default: float32 on cpu, bfloat16 on cuda")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset to run (default: all four)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=0,
+        help="rounds of every variant but hf_generate, taking turns (default 3; --quick: 1)",
+    )
     return p.parse_args(argv)
 
 
@@ -729,36 +779,61 @@ def main(argv: list[str] | None = None) -> int:
     needed = len(w.prompts) * per_request_blocks + 2 * len(w.warm_cold) * wc_blocks + 16
     num_blocks = 256 * -(-(2 * needed) // 256)  # room for everything twice over: nothing is evicted
 
+    rounds = args.rounds or (1 if args.quick else 3)
     results: dict[str, Any] = {}
-    runs: dict[str, Run] = {}
+    runs: dict[str, list[Run]] = {}
+    failed: dict[str, str] = {}
     launched: list[dict[str, Any]] = []
     model = None
     if "hf_generate" in chosen or "hf_continuous_batching" in chosen:
         model = model_store.load_model(model_path, getattr(torch, dtype), args.device)
     workdir = tempfile.mkdtemp(prefix="kvd-e2e-", dir="/tmp")  # short: unix socket paths are limited
+    engines = {
+        v: EngineVariant(v, model_path, num_blocks, v == "kvd", workdir, args.device, dtype)
+        for v in chosen
+        if v in ENGINE_VARIANTS
+    }
+
+    def attempt(variant: str, work) -> Any:
+        """Runs one piece of a variant's work; a failure is reported, the others go on."""
+        if variant in failed:
+            return None
+        try:
+            return work()
+        except Exception as exc:
+            common.log(f"{variant} FAILED:\n{traceback.format_exc()}")
+            logs = engines[variant].logs() if variant in engines else ""
+            failed[variant] = f"{type(exc).__name__}: {exc}\n{logs}".strip()
+            return None
+
     try:
-        for variant in chosen:
-            try:
+        if "hf_generate" in chosen:  # the reference outputs; once (the slowest, and in no target)
+            run = attempt("hf_generate", lambda: run_hf_generate(model, w, sizes["new_tokens"]))
+            runs["hf_generate"] = [run] if run is not None else []
+        for variant, engine in engines.items():
+            info = attempt(variant, lambda engine=engine: engine.start(w.warmup))
+            if info is not None:
+                launched.append(info)
+        # The variants in targets take turns, round after round, so a slow
+        # spell of this shared machine falls on all of them alike.
+        for r in range(rounds):
+            for variant in chosen:
                 if variant == "hf_generate":
-                    runs[variant] = run_hf_generate(model, w, sizes["new_tokens"])
-                elif variant == "hf_continuous_batching":
-                    runs[variant] = run_hf_continuous_batching(model, w, sizes["new_tokens"], num_blocks)
+                    continue
+                if variant == "hf_continuous_batching":
+                    work = lambda: run_hf_continuous_batching(model, w, sizes["new_tokens"], num_blocks)  # noqa: E731
                 else:
-                    caching = variant == "kvd"
-                    run, warm_cold = run_engine(
-                        variant, w, sizes["new_tokens"], model_path, num_blocks, caching, workdir,
-                        sizes["warm_cold_new_tokens"], launched, args.device, dtype,
-                    )  # fmt: skip
-                    runs[variant] = run
-                    if warm_cold is not None:
-                        results["warm_cold"] = warm_cold
-                results[variant] = runs[variant].summary()
-            except Exception as exc:  # reported in the JSON, the other variants still run
-                common.log(f"{variant} FAILED:\n{traceback.format_exc()}")
-                results[variant] = {**dict.fromkeys(METRICS), "error": f"{type(exc).__name__}: {exc}"}
-                if variant == "kvd":
-                    results["warm_cold"] = {"ttft_cold_s": None, "ttft_warm_s": None, "error": "the kvd variant failed"}
+                    work = lambda engine=engines[variant], r=r: engine.run(w, sizes["new_tokens"], r)  # noqa: E731
+                run = attempt(variant, work)
+                if run is not None:
+                    runs.setdefault(variant, []).append(run)
+        if "kvd" in engines:
+            warm_cold = attempt("kvd", lambda: engines["kvd"].warm_cold(w, sizes["warm_cold_new_tokens"]))
+            if warm_cold is not None:
+                results["warm_cold"] = warm_cold
     finally:
+        for engine in engines.values():
+            engine.stop()
         if args.logs:
             for log_file in Path(workdir).glob("*/*.log"):
                 target = Path(args.logs) / f"{log_file.parent.name}-{log_file.name}"
@@ -766,12 +841,21 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.copyfile(log_file, target)
         shutil.rmtree(workdir, ignore_errors=True)
 
-    reference = runs.get("hf_generate")
-    for variant, run in runs.items():
-        lengths_ok = all(len(t) == sizes["new_tokens"] for t in run.tokens)
-        results[variant]["all_outputs_full_length"] = lengths_ok
-        if reference is not None:
-            results[variant].update(agreement(run.tokens, reference.tokens))
+    reference = (runs.get("hf_generate") or [None])[0]
+    for variant in chosen:
+        if variant in failed:
+            results[variant] = {**dict.fromkeys(METRICS), "error": failed[variant]}
+            continue
+        results[variant] = combine_rounds(runs[variant])
+        results[variant]["all_outputs_full_length"] = all(
+            len(t) == sizes["new_tokens"] for run in runs[variant] for t in run.tokens
+        )
+        if reference is not None:  # the worst round
+            shares = [agreement(run.tokens, reference.tokens) for run in runs[variant]]
+            worst = min(shares, key=lambda a: (a["tokens_match_hf_generate"], a["matching_prefix_share"]))
+            results[variant].update(worst)
+    if "kvd" in failed:
+        results["warm_cold"] = {"ttft_cold_s": None, "ttft_warm_s": None, "error": "the kvd variant failed"}
     ratios = build_ratios(results)
     targets = check_targets(ratios)
     hf_cb_params = {
@@ -816,16 +900,20 @@ def main(argv: list[str] | None = None) -> int:
                 "warm_cold": "one request at a time on the idle kvd engine; TTFT from its submission; medians",
             },
             "warmup": "one short request per variant, not timed, sharing no prefix with the workload",
+            "rounds": rounds,
+            "rounds_order": "hf_generate once; then per round hf_continuous_batching, kvd_no_cache, kvd in turn "
+            "(engines stay up; each round its own cache salt, so it starts cold); reported metrics are medians "
+            "over rounds",
             "engines": launched,
         },
         "results": common.rounded(results),
         "ratios": common.rounded(ratios),
+        "ratios_per_round": common.rounded(paired_ratios(results)),
         "targets": common.rounded(targets),
         "total_s": round(time.perf_counter() - started, 1),
     }
     common.write_json(args.json, report)
     print_report(results, ratios, targets)
-    failed = [v for v in chosen if "error" in results.get(v, {})]
     if args.plot and reference is not None:
         shown = [v for v in chosen if v not in failed]
         series = {

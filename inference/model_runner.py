@@ -141,21 +141,21 @@ class ModelRunner:
         while (prefix + 1) * bs <= shortest and all(tables[i][prefix] == first[prefix] for i in decodes):
             prefix += 1
         own = [context_lens[i] - prefix * bs for i in decodes]
-        width = max(own)
-        if len(decodes) * width > 2 * sum(own) + len(decodes) * bs:
+        width = -(-max(own) // bs)  # own blocks of the longest
+        if len(decodes) * width * bs > 2 * sum(own) + len(decodes) * bs:
             return None, None  # lengths too uneven: padding would cost more than it saves
         dev = self.device
-        positions = prefix * bs + torch.arange(width, device=dev)[None, :]
-        valid = positions < torch.tensor(context_lens, device=dev)[decodes][:, None]
-        widest = max(len(tables[i]) for i in decodes)
-        padded = torch.tensor([tables[i] + [0] * (widest - len(tables[i])) for i in decodes], device=dev)
-        block_index = torch.where(valid, positions // bs, 0)
+        own_tables = [tables[i][prefix:] for i in decodes]
+        padded = [t + [t[0]] * (width - len(t)) for t in own_tables]  # any block: masked out
+        positions = torch.arange(width * bs, device=dev)
+        outside = positions[None, :] >= torch.tensor(own, device=dev)[:, None]
         batch = DecodeBatch(
             rows=torch.tensor([query_start[i] for i in decodes], dtype=torch.long, device=dev),
             prefix_blocks=torch.tensor(first[:prefix], dtype=torch.long, device=dev),
-            own_blocks=padded.gather(1, block_index),
-            own_offsets=positions.expand(len(decodes), -1) % bs,
-            own_valid=valid,
+            own_blocks=torch.tensor(padded, dtype=torch.long, device=dev),
+            own_mask=torch.zeros(outside.shape, dtype=self.kv_cache.dtype, device=dev).masked_fill_(
+                outside, float("-inf")
+            ),
         )
         batched = set(decodes)
         return batch, [i for i in range(len(chunks)) if i not in batched]

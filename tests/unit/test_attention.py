@@ -1,4 +1,5 @@
-"""The torch paged attention: batched decodes give what one-by-one attention gives."""
+"""The torch paged attention: what dense causal attention over each sequence's
+positions gives, for prefill chunks and decodes, batched or one by one."""
 
 from __future__ import annotations
 
@@ -20,16 +21,57 @@ def runner() -> ModelRunner:
     return ModelRunner(torch.nn.Linear(1, 1).double(), cache, BLOCK)
 
 
+def inputs(tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    query = torch.randn(1, HEADS, tokens, DIM, dtype=torch.float64, generator=gen)
+    new_kv = torch.randn(1, KV_HEADS, tokens, DIM, dtype=torch.float64, generator=gen)
+    return query, new_kv
+
+
 def attend(r: ModelRunner, chunks: list[Chunk], batched: bool) -> torch.Tensor:
     _, _, meta, _ = r._prepare(chunks)
     if not batched:
         meta = dataclasses.replace(meta, decode=None, looped=None)
-    tokens = meta.query_start[-1]
-    gen = torch.Generator().manual_seed(1)
-    query = torch.randn(1, HEADS, tokens, DIM, dtype=torch.float64, generator=gen)
-    new_kv = torch.randn(1, KV_HEADS, tokens, DIM, dtype=torch.float64, generator=gen)
+    query, new_kv = inputs(meta.query_start[-1])
     layer = types.SimpleNamespace(layer_idx=1)
     return torch_paged_attention(layer, query, new_kv, new_kv, None, attn_metadata=meta)[0]
+
+
+def dense_reference(r: ModelRunner, chunks: list[Chunk]) -> torch.Tensor:
+    """Each sequence on its own: its cached positions from the cache, its new
+    ones from the inputs, softmax(QK^T / sqrt(d) + causal mask) V per head."""
+    query, new_kv = inputs(sum(len(c.token_ids) for c in chunks))
+    out, start = [], 0
+    for c in chunks:
+        n = len(c.token_ids)
+        length = c.first + n
+        slots = [c.block_table[p // BLOCK] * BLOCK + p % BLOCK for p in range(length)]
+        new = new_kv[0, :, start : start + n].transpose(0, 1)  # the inputs use one tensor for K and V
+        k, v = (r.kv_cache[:, 1, i].flatten(0, 1)[slots].clone() for i in (0, 1))  # [length, kv_heads, dim]
+        k[c.first :], v[c.first :] = new, new
+        k, v = (t.repeat_interleave(HEADS // KV_HEADS, dim=1).transpose(0, 1) for t in (k, v))  # [heads, length, dim]
+        q = query[0, :, start : start + n]  # [heads, n, dim]
+        scores = q @ k.transpose(1, 2) / DIM**0.5
+        visible = torch.arange(length)[None, :] <= torch.arange(c.first, length)[:, None]
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+        out.append((probs @ v).transpose(0, 1))
+        start += n
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "one by one"])
+@pytest.mark.parametrize(
+    "chunks",
+    [
+        [Chunk([1, 2, 3, 4, 5, 6], 0, [3, 4], 0, True)],  # a square causal chunk
+        [Chunk([1, 2, 3], 5, [3, 4], 5, True), Chunk([4], 9, [5, 6, 7], 9, True)],  # chunk after cached positions
+        [Chunk([1], 6, [8, 9], 6, True), Chunk([2], 7, [8, 10], 7, True), Chunk([3, 4], 0, [11], 0, True)],
+    ],
+    ids=["square", "offset chunk", "decodes and a chunk"],
+)
+def test_paged_attention_equals_dense_attention(chunks, batched):
+    r = runner()
+    torch.testing.assert_close(attend(r, chunks, batched)[0], dense_reference(r, chunks), rtol=1e-12, atol=1e-12)
 
 
 CASES = {
@@ -62,7 +104,7 @@ def test_batched_decodes_equal_one_by_one(name):
 def test_the_shared_prefix_is_the_common_leading_blocks():
     _, _, meta, _ = runner()._prepare(CASES["shared prefix"])
     assert meta.decode.prefix_blocks.tolist() == [1, 2]
-    assert meta.decode.own_valid.sum(dim=1).tolist() == [2, 6, 1]  # positions 8.., up to each context
+    assert (meta.decode.own_mask == 0).sum(dim=1).tolist() == [2, 6, 1]  # positions 8.., up to each context
 
 
 def test_very_uneven_decodes_are_not_padded():
