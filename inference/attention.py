@@ -147,39 +147,41 @@ def _attend_decodes(
     Returns:
         ``[B, heads, head_dim]``.
 
-    NOTE: blocks are gathered whole (block-sized copies: fast), and every
-    product is a ``bmm`` over strided views, one KV head at a time for the
-    own part, so no operand is copied into another layout. The prefix is
-    scored for all B queries in one product; one softmax over the
-    concatenated scores keeps this exact (no partial-softmax merging).
+    NOTE: every operand stays in the layout its gather produced (whole
+    blocks: fast copies), so each product is one ``bmm`` over views:
+    - the prefix is gathered once and scored for all B queries, per KV head;
+    - a sequence's own positions are scored against every KV head at once
+      (``[heads, d] x [S * kv_heads, d]``, a contiguous view) and each query
+      head keeps the diagonal, its own KV head's scores. The wasted products
+      cost less than regrouping the own K/V by head (measured on the CPU:
+      1.05 ms a layer against 1.2 with a loop over heads and 1.5 with a copy).
+    One softmax over the concatenated scores keeps this exact (no partial-
+    softmax merging).
     """
     heads, _, head_dim = q.shape
     kv_heads = layer_k.shape[2]
-    group = heads // kv_heads
-    n = batch.rows.shape[0]
+    group, n = heads // kv_heads, batch.rows.shape[0]
     prefix_len = batch.prefix_blocks.shape[0] * layer_k.shape[1]
     own_len = batch.own_mask.shape[1]
-    grouped = q[:, batch.rows].view(kv_heads, group, n, head_dim)  # [k, g, B, d]
+    queries = q[:, batch.rows]  # [heads, B, d]
     prefix_k = layer_k[batch.prefix_blocks].view(prefix_len, kv_heads, head_dim)
     prefix_v = layer_v[batch.prefix_blocks].view(prefix_len, kv_heads, head_dim)
-    own_k = layer_k[batch.own_blocks].view(n, own_len, kv_heads, head_dim)
-    own_v = layer_v[batch.own_blocks].view(n, own_len, kv_heads, head_dim)
-    scores = torch.empty(kv_heads, n, group, prefix_len + own_len, dtype=q.dtype, device=q.device)
-    if prefix_len:
-        prefix_scores = torch.bmm(grouped.reshape(kv_heads, group * n, head_dim), prefix_k.permute(1, 2, 0))
-        scores[..., :prefix_len] = prefix_scores.view(kv_heads, group, n, prefix_len).transpose(1, 2)
-    for h in range(kv_heads):
-        scores[h, :, :, prefix_len:] = torch.bmm(grouped[h].transpose(0, 1), own_k[:, :, h].transpose(1, 2))
-    scores[..., prefix_len:] += batch.own_mask[None, :, None, :]
-    probs = (scores * scale).softmax(dim=-1)  # [k, B, g, P + S]
-    out = torch.empty(n, kv_heads, group, head_dim, dtype=q.dtype, device=q.device)
-    if prefix_len:
-        prefix_probs = probs[..., :prefix_len].reshape(kv_heads, n * group, prefix_len)  # a view: no copy
-        from_prefix = torch.bmm(prefix_probs, prefix_v.transpose(0, 1)).view(kv_heads, n, group, head_dim)
-    for h in range(kv_heads):
-        from_own = torch.bmm(probs[h, :, :, prefix_len:], own_v[:, :, h])
-        out[:, h] = from_own + from_prefix[h] if prefix_len else from_own
-    return out.view(n, heads, head_dim)
+    own_k = layer_k[batch.own_blocks].view(n, own_len * kv_heads, head_dim)
+    own_v = layer_v[batch.own_blocks].view(n, own_len * kv_heads, head_dim)
+
+    by_kv_head = queries.view(kv_heads, group * n, head_dim)
+    prefix_scores = torch.bmm(by_kv_head, prefix_k.permute(1, 2, 0)).view(kv_heads, group, n, prefix_len)
+    every_pair = torch.bmm(queries.transpose(0, 1), own_k.transpose(1, 2)).view(n, kv_heads, group, own_len, kv_heads)
+    own_scores = every_pair.diagonal(dim1=1, dim2=4)  # [B, g, S, k]
+    own_scores += batch.own_mask[:, None, :, None]
+    scores = torch.cat((prefix_scores.transpose(1, 2), own_scores.permute(3, 0, 1, 2)), dim=-1)  # [k, B, g, P + S]
+    probs = (scores * scale).softmax(dim=-1)
+
+    from_prefix = torch.bmm(probs[..., :prefix_len].reshape(kv_heads, n * group, prefix_len), prefix_v.transpose(0, 1))
+    spread = torch.zeros_like(every_pair)  # own probabilities on the diagonal, zero for the other KV heads
+    spread.diagonal(dim1=1, dim2=4).copy_(probs[..., prefix_len:].permute(1, 2, 3, 0))
+    from_own = torch.bmm(spread.view(n, heads, own_len * kv_heads), own_v).view(n, kv_heads, group, head_dim)
+    return (from_own + from_prefix.view(kv_heads, n, group, head_dim).transpose(0, 1)).reshape(n, heads, head_dim)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

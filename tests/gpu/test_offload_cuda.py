@@ -1,5 +1,8 @@
 """CUDA: the host tier behind a GPU cache: copies on the daemon's stream, the
-engine's stream waiting on interprocess events; outputs still match generate."""
+engine's stream waiting on interprocess events; outputs still match generate.
+
+float32, so that a block copied wrong shows as a divergence: in bfloat16 this
+random model's near-ties make most outputs diverge anyway."""
 
 from __future__ import annotations
 
@@ -22,13 +25,13 @@ pytestmark = pytest.mark.gpu
 NEW_TOKENS = 8
 
 
-def test_host_tier_on_cuda_serves_evicted_prefixes_exactly(random_llama_model, workdir):
-    folder, model = random_llama_model
+def test_host_tier_on_cuda_serves_evicted_prefixes_exactly(random_llama_float32, workdir):
+    folder, model = random_llama_float32
     # 4 documents of 19 blocks do not fit in 48 device blocks; the host holds all.
     daemon = start_daemon(
         ["--device", "cuda", "--block-size", "16", "--num-blocks", "48", "--host-num-blocks", "512"], workdir
     )
-    engine = start_engine(daemon, ["--model", str(folder), "--device", "cuda", "--dtype", "bfloat16"], workdir)
+    engine = start_engine(daemon, ["--model", str(folder), "--device", "cuda", "--dtype", "float32"], workdir)
     try:
         generator = torch.Generator().manual_seed(2)
         docs = [torch.randint(3, 32000, (300,), generator=generator).tolist() for _ in range(4)]
@@ -44,7 +47,8 @@ def test_host_tier_on_cuda_serves_evicted_prefixes_exactly(random_llama_model, w
             assert wait_for(lambda: dc.stats().num_used_blocks == 0 and dc.stats().num_copying_blocks == 0)
             stats = dc.stats()
         assert stats.host_hit_tokens > 0 and stats.bytes_from_host > 0, stats
-        assert identical >= 4, "most outputs should match generate exactly"
+        print(f"float32: {identical}/8 identical")
+        assert identical >= 7, f"only {identical} of 8 outputs identical to generate in float32"
     finally:
         engine.stop()
         daemon.stop()
