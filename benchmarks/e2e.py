@@ -17,9 +17,10 @@ Each reports total seconds (t = 0 to the last request's last token), output
 tokens/s, mean and p90 time to first token (from t = 0, so queueing counts)
 and the cached share of prompt tokens. hf_generate runs once; the other three
 take turns for ``--rounds`` rounds (default 3) and report medians, since this
-machine's speed drifts by 10-20% from one minute to the next. Then, on the ``kvd`` engine, the time
-to first token of a request whose 1,000-token prefix is cold, then warm (same
-prefix, another suffix), for a few distinct prefixes (medians).
+machine's speed drifts by 10-20% from one minute to the next. Then, on the
+``kvd`` engine, the time to first token of a request whose 1,000-token prefix
+is cold, then warm (same prefix, another suffix), for a few distinct prefixes
+(medians).
 
 Every variant gets one short warm-up request first (not timed, sharing no
 prefix with the workload). The greedy outputs of every variant are compared
@@ -560,8 +561,8 @@ def run_warm_cold(stub, w: Workload, new_tokens: int) -> dict[str, Any]:
 
 
 class EngineVariant:
-    """A kvd daemon and engine serving one variant for every round; started
-    lazily, stopped by ``stop``."""
+    """A kvd daemon and engine serving one variant for every round: started
+    by ``start``, stopped by ``stop``."""
 
     def __init__(
         self, name: str, model_path: Path, num_blocks: int, prefix_caching: bool, workdir: str, device: str, dtype: str
@@ -593,7 +594,9 @@ class EngineVariant:
         self.engine.start()
         self.channel = grpc.insecure_channel(self.engine.address)
         self.stub = pb_grpc.EngineStub(self.channel)
-        self._check(stream(self.stub, warmup, 4), "warm-up request")
+        warm = stream(self.stub, warmup, 4)
+        if warm.error:
+            raise RuntimeError(f"warm-up request failed: {warm.error}")
         return {
             "variant": self.name,
             "daemon": " ".join(self.daemon.command).replace(self.workdir, "<tmpdir>"),
@@ -618,10 +621,6 @@ class EngineVariant:
             self.channel.close()
         self.engine.stop()
         self.daemon.stop()
-
-    def _check(self, s: Stream, what: str) -> None:
-        if s.error:
-            raise RuntimeError(f"{what} failed: {s.error}")
 
 
 # ------------------------------------------------------------------ report

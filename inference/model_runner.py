@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from inference.attention import AttentionMetadata, DecodeBatch
+from inference.attention import AttentionMetadata, DecodeBatch, chunk_mask
 
 #: Fewer one-token chunks than this are attended to one by one.
 MIN_DECODE_BATCH = 2
@@ -119,6 +119,10 @@ class ModelRunner:
             write_offsets=slots % self.block_size,
             decode=decode,
             looped=looped,
+            chunk_masks=[
+                chunk_mask(end - start, ctx, self.kv_cache)
+                for start, end, ctx in zip(query_start, query_start[1:], context_lens, strict=False)
+            ],
         )
         as_tensor = lambda values: torch.tensor([values], dtype=torch.long, device=dev)  # noqa: E731
         return as_tensor(ids), as_tensor(positions), meta, last
