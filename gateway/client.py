@@ -6,6 +6,8 @@
         kvd.create_template("support-bot", "You are the support bot of ACME. ...")
         reply = kvd.complete("How do I reset my password?", template="support-bot", max_new_tokens=64)
         print(reply.text, reply.usage.cached_prompt_tokens)
+        kvd.create_template("support-chat", messages=[("system", "You are the support bot of ACME.")])
+        reply = kvd.complete(chat=[("user", "How do I reset my password?")], template="support-chat")
         for chunk in kvd.generate("Tell me a story", max_new_tokens=32):
             print(chunk.text, end="", flush=True)
 
@@ -81,8 +83,23 @@ class GatewayClient:
 
     # ----------------------------------------------------------- templates
 
-    def create_template(self, name: str, content: str, ttl_seconds: int = 0, description: str = "") -> pb.Template:
-        request = pb.CreateTemplateRequest(name=name, content=content, ttl_seconds=ttl_seconds, description=description)
+    def create_template(
+        self,
+        name: str,
+        content: str = "",
+        ttl_seconds: int = 0,
+        description: str = "",
+        messages: Sequence[tuple[str, str]] = (),
+    ) -> pb.Template:
+        """A text template (``content``) or a chat template (``messages`` as
+        (role, content) pairs, for chat requests)."""
+        request = pb.CreateTemplateRequest(
+            name=name,
+            content=content,
+            ttl_seconds=ttl_seconds,
+            description=description,
+            messages=[epb.ChatMessage(role=r, content=c) for r, c in messages],
+        )
         return self.stub.CreateTemplate(request, timeout=self.timeout_s, metadata=self.metadata)
 
     def get_template(self, name: str) -> pb.Template:

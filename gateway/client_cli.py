@@ -3,10 +3,11 @@
     kvd-cli info
     kvd-cli template create support-bot --content "You are ..." [--ttl 3600] [--description D]
     kvd-cli template create support-bot --file prompt.txt
+    kvd-cli template create support-chat --message "system:You are ..." [--message "user:..." ...]
     kvd-cli template get|delete NAME
     kvd-cli template list
     kvd-cli template update NAME [--ttl S] [--description D]
-    kvd-cli generate [--template NAME] [--stream] [--max-new-tokens N] PROMPT
+    kvd-cli generate [--template NAME] [--chat] [--stream] [--max-new-tokens N] PROMPT
 
 The gateway is --address (KVD_GATEWAY_ADDR, default 127.0.0.1:50051); the key
 --api-key (KVD_API_KEY). Errors print the gateway's status and message.
@@ -40,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     source = create.add_mutually_exclusive_group(required=True)
     source.add_argument("--content")
     source.add_argument("--file", type=Path)
+    source.add_argument(
+        "--message", action="append", metavar="ROLE:CONTENT", help="a chat template's message (repeat for several)"
+    )
     create.add_argument("--ttl", type=int, default=0, help="seconds; 0: never expires")
     create.add_argument("--description", default="")
     for action in ("get", "delete"):
@@ -53,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text")
     gen.add_argument("prompt", nargs="?", default="")
     gen.add_argument("--template", default="")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as one user chat message")
     gen.add_argument("--stream", action="store_true", help="print tokens as they come")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float)
@@ -66,6 +71,12 @@ def _show(message) -> None:
 
 def _template(kvd: GatewayClient, args) -> None:
     if args.action == "create":
+        if args.message:
+            messages = [tuple(m.split(":", 1)) for m in args.message]
+            if any(len(m) != 2 for m in messages):
+                raise SystemExit("kvd-cli: --message takes ROLE:CONTENT")
+            _show(kvd.create_template(args.name, "", args.ttl, args.description, messages=messages))
+            return
         content = args.content if args.content is not None else args.file.read_text()
         _show(kvd.create_template(args.name, content, args.ttl, args.description))
     elif args.action == "get":
@@ -86,13 +97,14 @@ def _generate(kvd: GatewayClient, args) -> None:
         sampling["temperature"] = args.temperature
     if args.seed is not None:
         sampling["seed"] = args.seed
+    prompt = {"chat": [("user", args.prompt)]} if args.chat else {"prompt": args.prompt}
     if not args.stream:
-        reply = kvd.complete(args.prompt, template=args.template, **sampling)
+        reply = kvd.complete(**prompt, template=args.template, **sampling)
         print(reply.text)
         _show(reply.usage)
         return
     usage = None
-    for chunk in kvd.generate(args.prompt, template=args.template, **sampling):
+    for chunk in kvd.generate(**prompt, template=args.template, **sampling):
         print(chunk.text, end="", flush=True)
         usage = chunk.usage if chunk.HasField("usage") else usage
     print()

@@ -30,6 +30,8 @@ _RECONNECT = [
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+# A tokenizer's files (TokenizerFiles) can pass the default 4 MiB limit.
+_MAX_RECEIVE = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
 
 
 class EngineLink:
@@ -37,14 +39,14 @@ class EngineLink:
 
     Args:
         address: ``HOST:PORT`` of the engine's gRPC server.
-        rpc_timeout_s: the limit on unary calls (Tokenize, Info, Unpin);
+        rpc_timeout_s: the limit on unary calls (TokenizerFiles, Info, Unpin);
             Warm and Generate get the caller's deadline.
     """
 
     def __init__(self, address: str, rpc_timeout_s: float = 10.0) -> None:
         self.address = address
         self.rpc_timeout_s = rpc_timeout_s
-        self.channel = grpc.insecure_channel(address, options=_RECONNECT)
+        self.channel = grpc.insecure_channel(address, options=_RECONNECT + _MAX_RECEIVE)
         self.stub = epb_grpc.EngineStub(self.channel)
         self._info: epb.InfoResponse | None = None
         self._lock = threading.Lock()
@@ -62,8 +64,8 @@ class EngineLink:
             known = self._info
         return known if known is not None and known.block_size else self.info()
 
-    def tokenize(self, request: epb.TokenizeRequest) -> list[int]:
-        return list(self.stub.Tokenize(request, timeout=self.rpc_timeout_s).token_ids)
+    def tokenizer_files(self) -> dict[str, bytes]:
+        return dict(self.stub.TokenizerFiles(epb.TokenizerFilesRequest(), timeout=self.rpc_timeout_s).files)
 
     def close(self) -> None:
         self.channel.close()

@@ -2,13 +2,18 @@
 
 A templated request's prompt is the template's token ids followed by the
 prompt's own (tokenized separately, so the template's cached blocks are
-reused exactly). Every request carries its tenant's cache salt.
+reused exactly), or for a chat template its messages and the request's
+rendered together (``gateway.prompts``). The gateway tokenizes with the
+engines' tokenizer, fetched once (``gateway.tokenizer``), and keeps templates
+in memory (``gateway.template_cache``), so a templated request costs one
+small Redis read more than a plain one. Every request carries its tenant's
+cache salt.
 
 Each request goes to the replica the router picks (see ``gateway.router``):
 a templated one by its template; any other by the block hashes of its
-tokens. A text or chat prompt is tokenized first, by any serving replica
-(every replica has the same tokenizer), and sent on as those token ids, so
-the replica computes exactly the blocks its hashes name.
+tokens. A text or chat prompt is tokenized first, in the gateway with the
+replicas' tokenizer (every replica has the same), and sent on as those token
+ids, so the replica computes exactly the blocks its hashes name.
 """
 
 from __future__ import annotations
@@ -25,8 +30,10 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from gateway.auth import SCOPE_GENERATE, SCOPE_TEMPLATES_WRITE, Authenticator, tenant_salt
 from gateway.engine_link import engine_error
 from gateway.keeper import TemplateKeeper
+from gateway.prompts import own_ids, template_ids, templated_ids
 from gateway.replicas import ReplicaPool
 from gateway.router import NoReplica, RouteKey
+from gateway.template_cache import TemplateCache
 from gateway.templates import (
     StoreUnavailable,
     Template,
@@ -37,6 +44,7 @@ from gateway.templates import (
     check_ttl,
     warm_member,
 )
+from gateway.tokenizer import GatewayTokenizer
 from kvd.hashing import chain_block_hashes, encode_extra_keys
 from kvd_api.engine.v1 import engine_pb2 as epb
 from kvd_api.gateway.v1 import gateway_pb2 as pb
@@ -73,6 +81,8 @@ class GatewayService(pb_grpc.GatewayServicer):
         self.router = pool.router
         self.keeper = keeper
         self.auth = auth
+        self.tokenizer = GatewayTokenizer(lambda: pool.any_serving().tokenizer_files())
+        self.templates = TemplateCache(store)
 
     @contextlib.contextmanager
     def _statuses(self, context):
@@ -99,6 +109,7 @@ class GatewayService(pb_grpc.GatewayServicer):
             whole.token_ids.extend(message.token_ids)
             whole.text += message.text
             whole.logprobs.extend(message.logprobs)
+            whole.top_logprobs.extend(message.top_logprobs)
             if message.HasField("usage"):
                 whole.finish_reason = message.finish_reason
                 whole.usage.CopyFrom(message.usage)
@@ -114,9 +125,10 @@ class GatewayService(pb_grpc.GatewayServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: give text, chat messages or token ids")
         with self._statuses(context):
             if request.template:
-                template = self.store.get(tenant, request.template)
-                out.token_ids.ids.extend(template.token_ids + self._prompt_ids(request, kind))
-                return out, len(template.token_ids), RouteKey(template=warm_member(tenant, request.template))
+                template = self.templates.get(tenant, request.template)
+                ids, template_tokens = templated_ids(self.tokenizer, template, request)
+                out.token_ids.ids.extend(ids)
+                return out, template_tokens, RouteKey(template=warm_member(tenant, request.template))
             if not self._by_prefix() or (kind == "text" and not request.text):
                 if kind == "text":
                     out.text = request.text
@@ -125,25 +137,15 @@ class GatewayService(pb_grpc.GatewayServicer):
                 else:
                     out.token_ids.CopyFrom(request.token_ids)
                 return out, 0, RouteKey()
-            out.token_ids.ids.extend(self._prompt_ids(request, kind))
+            out.token_ids.ids.extend(own_ids(self.tokenizer, request))
             block_size = self.pool.any_serving().model_info().block_size
             hashes = chain_block_hashes(out.token_ids.ids, block_size, encode_extra_keys(out.cache_salt))
             return out, 0, RouteKey(block_hashes=tuple(hashes))
 
     def _by_prefix(self) -> bool:
         """Whether a plain request's blocks should pick its replica: only when
-        there is a choice to make (the tokenizing call costs a round trip)."""
+        there is a choice to make (tokenizing and hashing cost time)."""
         return self.router.config.policy == "affinity" and len(self.router.serving()) > 1
-
-    def _prompt_ids(self, request, kind: str | None) -> list[int]:
-        """The prompt's own tokens (may be empty: the template alone is a prompt)."""
-        if kind == "token_ids":
-            return list(request.token_ids.ids)
-        if kind == "chat":
-            return self.pool.any_serving().tokenize(epb.TokenizeRequest(chat=request.chat))
-        if kind == "text" and request.text:
-            return self.pool.any_serving().tokenize(epb.TokenizeRequest(text=request.text))
-        return []
 
     def _relay(self, engine_request: epb.GenerateRequest, template_tokens: int, key: RouteKey, context) -> Iterator:
         try:
@@ -179,18 +181,16 @@ class GatewayService(pb_grpc.GatewayServicer):
         tenant = self.auth.authorize(context, SCOPE_TEMPLATES_WRITE).tenant
         check_name(request.name)
         check_ttl(request.ttl_seconds)
-        if not request.content:
-            raise ValueError("content must not be empty")
-        engine = self.pool.any_serving()
-        token_ids = engine.tokenize(epb.TokenizeRequest(text=request.content))
-        max_context = engine.model_info().max_context
+        messages = [(m.role, m.content) for m in request.messages]
+        token_ids = template_ids(self.tokenizer, request.content, messages)
+        max_context = self.pool.any_serving().model_info().max_context
         if len(token_ids) >= max_context:
             raise ValueError(
                 f"content is {len(token_ids)} tokens; the model's context of {max_context} tokens "
                 "leaves no room for a prompt"
             )
         template = self.store.create(
-            tenant, request.name, request.content, token_ids, request.ttl_seconds, request.description
+            tenant, request.name, request.content, token_ids, request.ttl_seconds, request.description, messages
         )
         try:
             self.keeper.warm(template, timeout_s=context.time_remaining())
@@ -273,6 +273,7 @@ def _response(message: epb.GenerateResponse, template_tokens: int) -> pb.Generat
         text=message.text,
         logprobs=message.logprobs,
         finish_reason=message.finish_reason,
+        top_logprobs=message.top_logprobs,
     )
     if message.HasField("usage"):
         u = message.usage
@@ -283,6 +284,7 @@ def _response(message: epb.GenerateResponse, template_tokens: int) -> pb.Generat
                 cached_prompt_tokens=u.cached_prompt_tokens,
                 completion_tokens=u.completion_tokens,
                 time_to_first_token_s=u.time_to_first_token_s,
+                host_cached_prompt_tokens=u.host_cached_prompt_tokens,
             )
         )
     return out
@@ -295,6 +297,7 @@ def _template_pb(t: Template, with_content: bool) -> pb.Template:
         token_count=len(t.token_ids),
         cached_token_count=t.cached_tokens,
         content=t.content if with_content else "",
+        messages=[epb.ChatMessage(role=role, content=content) for role, content in t.messages] if with_content else [],
     )
     out.create_time.CopyFrom(_timestamp(t.create_time))
     if t.expire_time is not None:

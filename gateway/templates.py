@@ -3,8 +3,10 @@
 Key schema (``kvd:`` is the configurable prefix, ``{t}`` the tenant, ``{n}``
 the template name)::
 
-    kvd:tpl:{t}:{n}     hash   content, token_ids (uint32 LE bytes), description,
-                               create_time, cached_tokens; Redis expiry = the TTL
+    kvd:tpl:{t}:{n}     hash   content, messages (a chat template's, JSON
+                               [[role, content], ...]), token_ids (uint32 LE
+                               bytes), description, create_time, cached_tokens;
+                               Redis expiry = the TTL
     kvd:tpl-index:{t}   zset   every name of the tenant (score 0), for listing
                                in name order; entries whose hash expired are
                                dropped lazily as listings meet them
@@ -14,11 +16,13 @@ the template name)::
                                removed by the gateway's sweep
 
 A template's tokens are computed once (by the engine's tokenizer) when it is
-created; its content never changes (a new content is a new name).
+created; its content never changes (a new content is a new name), so its
+create time names its content: a name deleted and created again has a new one.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from array import array
@@ -54,6 +58,7 @@ class Template:
     create_time: float
     expire_time: float | None  # seconds since the epoch; None: never
     cached_tokens: int
+    messages: tuple[tuple[str, str], ...] = ()  # a chat template's (role, content); empty: a text template
 
 
 def check_name(name: str) -> None:
@@ -87,7 +92,14 @@ class TemplateStore:
         return f"{self.prefix}tpl-warm"
 
     def create(
-        self, tenant: str, name: str, content: str, token_ids: Sequence[int], ttl_seconds: int, description: str
+        self,
+        tenant: str,
+        name: str,
+        content: str,
+        token_ids: Sequence[int],
+        ttl_seconds: int,
+        description: str,
+        messages: Sequence[tuple[str, str]] = (),
     ) -> Template:
         """Stores a new template.
 
@@ -97,7 +109,7 @@ class TemplateStore:
         """
         check_name(name)
         check_ttl(ttl_seconds)
-        if not content or not token_ids:
+        if not (content or messages) or not token_ids:
             raise ValueError("template content must not be empty")
         fields = {
             "content": content,
@@ -106,6 +118,8 @@ class TemplateStore:
             "create_time": repr(time.time()),
             "cached_tokens": 0,
         }
+        if messages:
+            fields["messages"] = json.dumps([list(m) for m in messages])
         key = self._key(tenant, name)
         with self._redis() as r:
             # HSETNX on one field makes creation atomic: a concurrent create loses.
@@ -128,6 +142,15 @@ class TemplateStore:
         if not fields:
             raise TemplateNotFound(f"template {name!r} not found")
         return _template(tenant, name, fields, ttl_ms)
+
+    def create_time(self, tenant: str, name: str) -> float:
+        """The create time alone (one small read): it changes when the name
+        holds another content, so it tells whether a copy is current."""
+        with self._redis() as r:
+            stamp = r.hget(self._key(tenant, name), "create_time")
+        if stamp is None:
+            raise TemplateNotFound(f"template {name!r} not found")
+        return float(stamp)
 
     def set_cached_tokens(self, tenant: str, name: str, cached_tokens: int) -> None:
         with self._redis() as r:
@@ -254,4 +277,5 @@ def _template(tenant: str, name: str, fields: dict[bytes, bytes], ttl_ms: int) -
         create_time=float(fields[b"create_time"]),
         expire_time=time.time() + ttl_ms / 1000 if ttl_ms > 0 else None,
         cached_tokens=int(fields.get(b"cached_tokens", b"0")),
+        messages=tuple((role, content) for role, content in json.loads(fields.get(b"messages", b"[]"))),
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import secrets
 import uuid
@@ -12,6 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from inference import model_store
 from inference.engine import Engine, EngineUnavailable
 from inference.sampling import SamplingParams
 from inference.sequence import Finish, Sequence
@@ -111,6 +113,13 @@ class EngineService(pb_grpc.EngineServicer):
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return pb.TokenizeResponse(token_ids=ids)
+
+    def TokenizerFiles(self, request, context):
+        return pb.TokenizerFilesResponse(files=self._tokenizer_files, model=self.info.name)
+
+    @functools.cached_property
+    def _tokenizer_files(self) -> dict[str, bytes]:
+        return model_store.tokenizer_files(self.tokenizer)
 
     def Warm(self, request, context):
         try:

@@ -25,15 +25,17 @@ _sym_db = _symbol_database.Default()
 from kvd_api.daemon.v1 import daemon_pb2 as kvd__api_dot_daemon_dot_v1_dot_daemon__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ekvd_api/engine/v1/engine.proto\x12\rkvd.engine.v1\x1a\x1ekvd_api/daemon/v1/daemon.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"x\n\nChatPrompt\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.kvd.engine.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xa4\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x03\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\x05\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x11\n\x0f_max_new_tokens\"\xdd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x19.kvd.engine.v1.ChatPromptH\x00\x12,\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x17.kvd.engine.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.kvd.engine.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\x0c\x42\x08\n\x06prompt\"\x99\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\x12\x1d\n\x15time_to_first_token_s\x18\x04 \x01(\x01\x12!\n\x19host_cached_prompt_tokens\x18\x05 \x01(\x05\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\xe4\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.kvd.engine.v1.FinishReason\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.kvd.engine.v1.Usage\x12\x30\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x1a.kvd.engine.v1.TopLogprobs\"U\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x19.kvd.engine.v1.ChatPromptH\x00\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"D\n\x0bWarmRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x12\n\ncache_salt\x18\x02 \x01(\x0c\x12\x0e\n\x06pin_id\x18\x03 \x01(\t\"<\n\x0cWarmResponse\x12\x15\n\rcached_tokens\x18\x01 \x01(\x05\x12\x15\n\rpinned_tokens\x18\x02 \x01(\x05\"\x1e\n\x0cUnpinRequest\x12\x0e\n\x06pin_id\x18\x01 \x01(\t\"(\n\rUnpinResponse\x12\x17\n\x0funpinned_blocks\x18\x01 \x01(\x05\"\r\n\x0bInfoRequest\"\xbd\x01\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\x12\x19\n\x11\x61ttention_backend\x18\x05 \x01(\t\x12\x12\n\nvocab_size\x18\x06 \x01(\x05\x12\x15\n\reos_token_ids\x18\x07 \x03(\x03\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x10\n\x08\x63\x61\x63he_id\x18\t \x01(\t\"\x14\n\x12\x42lockEventsRequest*\x93\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x32\xba\x03\n\x06\x45ngine\x12M\n\x08Generate\x12\x1e.kvd.engine.v1.GenerateRequest\x1a\x1f.kvd.engine.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.kvd.engine.v1.TokenizeRequest\x1a\x1f.kvd.engine.v1.TokenizeResponse\x12?\n\x04Warm\x12\x1a.kvd.engine.v1.WarmRequest\x1a\x1b.kvd.engine.v1.WarmResponse\x12\x42\n\x05Unpin\x12\x1b.kvd.engine.v1.UnpinRequest\x1a\x1c.kvd.engine.v1.UnpinResponse\x12?\n\x04Info\x12\x1a.kvd.engine.v1.InfoRequest\x1a\x1b.kvd.engine.v1.InfoResponse\x12N\n\x0b\x42lockEvents\x12!.kvd.engine.v1.BlockEventsRequest\x1a\x1a.kvd.daemon.v1.BlockEvents0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ekvd_api/engine/v1/engine.proto\x12\rkvd.engine.v1\x1a\x1ekvd_api/daemon/v1/daemon.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"x\n\nChatPrompt\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.kvd.engine.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xa4\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x03\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\x05\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x11\n\x0f_max_new_tokens\"\xdd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x19.kvd.engine.v1.ChatPromptH\x00\x12,\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x17.kvd.engine.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.kvd.engine.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\x0c\x42\x08\n\x06prompt\"\x99\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\x12\x1d\n\x15time_to_first_token_s\x18\x04 \x01(\x01\x12!\n\x19host_cached_prompt_tokens\x18\x05 \x01(\x05\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\xe4\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.kvd.engine.v1.FinishReason\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.kvd.engine.v1.Usage\x12\x30\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x1a.kvd.engine.v1.TopLogprobs\"U\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x19.kvd.engine.v1.ChatPromptH\x00\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"\x17\n\x15TokenizerFilesRequest\"\x96\x01\n\x16TokenizerFilesResponse\x12?\n\x05\x66iles\x18\x01 \x03(\x0b\x32\x30.kvd.engine.v1.TokenizerFilesResponse.FilesEntry\x12\r\n\x05model\x18\x02 \x01(\t\x1a,\n\nFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"D\n\x0bWarmRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x12\n\ncache_salt\x18\x02 \x01(\x0c\x12\x0e\n\x06pin_id\x18\x03 \x01(\t\"<\n\x0cWarmResponse\x12\x15\n\rcached_tokens\x18\x01 \x01(\x05\x12\x15\n\rpinned_tokens\x18\x02 \x01(\x05\"\x1e\n\x0cUnpinRequest\x12\x0e\n\x06pin_id\x18\x01 \x01(\t\"(\n\rUnpinResponse\x12\x17\n\x0funpinned_blocks\x18\x01 \x01(\x05\"\r\n\x0bInfoRequest\"\xbd\x01\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\x12\x19\n\x11\x61ttention_backend\x18\x05 \x01(\t\x12\x12\n\nvocab_size\x18\x06 \x01(\x05\x12\x15\n\reos_token_ids\x18\x07 \x03(\x03\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x10\n\x08\x63\x61\x63he_id\x18\t \x01(\t\"\x14\n\x12\x42lockEventsRequest*\x93\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x32\x99\x04\n\x06\x45ngine\x12M\n\x08Generate\x12\x1e.kvd.engine.v1.GenerateRequest\x1a\x1f.kvd.engine.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.kvd.engine.v1.TokenizeRequest\x1a\x1f.kvd.engine.v1.TokenizeResponse\x12]\n\x0eTokenizerFiles\x12$.kvd.engine.v1.TokenizerFilesRequest\x1a%.kvd.engine.v1.TokenizerFilesResponse\x12?\n\x04Warm\x12\x1a.kvd.engine.v1.WarmRequest\x1a\x1b.kvd.engine.v1.WarmResponse\x12\x42\n\x05Unpin\x12\x1b.kvd.engine.v1.UnpinRequest\x1a\x1c.kvd.engine.v1.UnpinResponse\x12?\n\x04Info\x12\x1a.kvd.engine.v1.InfoRequest\x1a\x1b.kvd.engine.v1.InfoResponse\x12N\n\x0b\x42lockEvents\x12!.kvd.engine.v1.BlockEventsRequest\x1a\x1a.kvd.daemon.v1.BlockEvents0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvd_api.engine.v1.engine_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1794
-  _globals['_FINISHREASON']._serialized_end=1941
+  _globals['_TOKENIZERFILESRESPONSE_FILESENTRY']._loaded_options = None
+  _globals['_TOKENIZERFILESRESPONSE_FILESENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=1972
+  _globals['_FINISHREASON']._serialized_end=2119
   _globals['_CHATMESSAGE']._serialized_start=81
   _globals['_CHATMESSAGE']._serialized_end=125
   _globals['_CHATPROMPT']._serialized_start=127
@@ -54,20 +56,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIZEREQUEST']._serialized_end=1317
   _globals['_TOKENIZERESPONSE']._serialized_start=1319
   _globals['_TOKENIZERESPONSE']._serialized_end=1356
-  _globals['_WARMREQUEST']._serialized_start=1358
-  _globals['_WARMREQUEST']._serialized_end=1426
-  _globals['_WARMRESPONSE']._serialized_start=1428
-  _globals['_WARMRESPONSE']._serialized_end=1488
-  _globals['_UNPINREQUEST']._serialized_start=1490
-  _globals['_UNPINREQUEST']._serialized_end=1520
-  _globals['_UNPINRESPONSE']._serialized_start=1522
-  _globals['_UNPINRESPONSE']._serialized_end=1562
-  _globals['_INFOREQUEST']._serialized_start=1564
-  _globals['_INFOREQUEST']._serialized_end=1577
-  _globals['_INFORESPONSE']._serialized_start=1580
-  _globals['_INFORESPONSE']._serialized_end=1769
-  _globals['_BLOCKEVENTSREQUEST']._serialized_start=1771
-  _globals['_BLOCKEVENTSREQUEST']._serialized_end=1791
-  _globals['_ENGINE']._serialized_start=1944
-  _globals['_ENGINE']._serialized_end=2386
+  _globals['_TOKENIZERFILESREQUEST']._serialized_start=1358
+  _globals['_TOKENIZERFILESREQUEST']._serialized_end=1381
+  _globals['_TOKENIZERFILESRESPONSE']._serialized_start=1384
+  _globals['_TOKENIZERFILESRESPONSE']._serialized_end=1534
+  _globals['_TOKENIZERFILESRESPONSE_FILESENTRY']._serialized_start=1490
+  _globals['_TOKENIZERFILESRESPONSE_FILESENTRY']._serialized_end=1534
+  _globals['_WARMREQUEST']._serialized_start=1536
+  _globals['_WARMREQUEST']._serialized_end=1604
+  _globals['_WARMRESPONSE']._serialized_start=1606
+  _globals['_WARMRESPONSE']._serialized_end=1666
+  _globals['_UNPINREQUEST']._serialized_start=1668
+  _globals['_UNPINREQUEST']._serialized_end=1698
+  _globals['_UNPINRESPONSE']._serialized_start=1700
+  _globals['_UNPINRESPONSE']._serialized_end=1740
+  _globals['_INFOREQUEST']._serialized_start=1742
+  _globals['_INFOREQUEST']._serialized_end=1755
+  _globals['_INFORESPONSE']._serialized_start=1758
+  _globals['_INFORESPONSE']._serialized_end=1947
+  _globals['_BLOCKEVENTSREQUEST']._serialized_start=1949
+  _globals['_BLOCKEVENTSREQUEST']._serialized_end=1969
+  _globals['_ENGINE']._serialized_start=2122
+  _globals['_ENGINE']._serialized_end=2659
 # @@protoc_insertion_point(module_scope)

@@ -137,6 +137,25 @@ class TokenizeResponse(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class TokenizerFilesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TokenizerFilesResponse(_message.Message):
+    __slots__ = ("files", "model")
+    class FilesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    files: _containers.ScalarMap[str, bytes]
+    model: str
+    def __init__(self, files: _Optional[_Mapping[str, bytes]] = ..., model: _Optional[str] = ...) -> None: ...
+
 class WarmRequest(_message.Message):
     __slots__ = ("token_ids", "cache_salt", "pin_id")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]

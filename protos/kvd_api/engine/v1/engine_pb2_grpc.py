@@ -45,6 +45,11 @@ class EngineStub:
                 request_serializer=kvd__api_dot_engine_dot_v1_dot_engine__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=kvd__api_dot_engine_dot_v1_dot_engine__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.TokenizerFiles = channel.unary_unary(
+                '/kvd.engine.v1.Engine/TokenizerFiles',
+                request_serializer=kvd__api_dot_engine_dot_v1_dot_engine__pb2.TokenizerFilesRequest.SerializeToString,
+                response_deserializer=kvd__api_dot_engine_dot_v1_dot_engine__pb2.TokenizerFilesResponse.FromString,
+                _registered_method=True)
         self.Warm = channel.unary_unary(
                 '/kvd.engine.v1.Engine/Warm',
                 request_serializer=kvd__api_dot_engine_dot_v1_dot_engine__pb2.WarmRequest.SerializeToString,
@@ -80,6 +85,15 @@ class EngineServicer:
 
     def Tokenize(self, request, context):
         """Text or chat messages to token ids, with the model's tokenizer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TokenizerFiles(self, request, context):
+        """The tokenizer's files as transformers saves them (tokenizer.json, its
+        config, the chat template), so a client such as the gateway can load the
+        same tokenizer once and tokenize without a call per request.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -129,6 +143,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=kvd__api_dot_engine_dot_v1_dot_engine__pb2.TokenizeRequest.FromString,
                     response_serializer=kvd__api_dot_engine_dot_v1_dot_engine__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'TokenizerFiles': grpc.unary_unary_rpc_method_handler(
+                    servicer.TokenizerFiles,
+                    request_deserializer=kvd__api_dot_engine_dot_v1_dot_engine__pb2.TokenizerFilesRequest.FromString,
+                    response_serializer=kvd__api_dot_engine_dot_v1_dot_engine__pb2.TokenizerFilesResponse.SerializeToString,
             ),
             'Warm': grpc.unary_unary_rpc_method_handler(
                     servicer.Warm,
@@ -205,6 +224,33 @@ class Engine:
             '/kvd.engine.v1.Engine/Tokenize',
             kvd__api_dot_engine_dot_v1_dot_engine__pb2.TokenizeRequest.SerializeToString,
             kvd__api_dot_engine_dot_v1_dot_engine__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TokenizerFiles(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.engine.v1.Engine/TokenizerFiles',
+            kvd__api_dot_engine_dot_v1_dot_engine__pb2.TokenizerFilesRequest.SerializeToString,
+            kvd__api_dot_engine_dot_v1_dot_engine__pb2.TokenizerFilesResponse.FromString,
             options,
             channel_credentials,
             insecure,

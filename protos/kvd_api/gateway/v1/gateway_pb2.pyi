@@ -27,35 +27,39 @@ class GenerateRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[_engine_pb2.ChatPrompt, _Mapping]] = ..., token_ids: _Optional[_Union[_engine_pb2.TokenIds, _Mapping]] = ..., template: _Optional[str] = ..., sampling: _Optional[_Union[_engine_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "template_tokens", "cached_prompt_tokens", "completion_tokens", "time_to_first_token_s")
+    __slots__ = ("prompt_tokens", "template_tokens", "cached_prompt_tokens", "completion_tokens", "time_to_first_token_s", "host_cached_prompt_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPLATE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
+    HOST_CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     template_tokens: int
     cached_prompt_tokens: int
     completion_tokens: int
     time_to_first_token_s: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., template_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ...) -> None: ...
+    host_cached_prompt_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., template_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ..., host_cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "usage")
+    __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "usage", "top_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     finish_reason: _engine_pb2.FinishReason
     usage: Usage
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_engine_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[_engine_pb2.TopLogprobs]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_engine_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., top_logprobs: _Optional[_Iterable[_Union[_engine_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class Template(_message.Message):
-    __slots__ = ("name", "description", "token_count", "cached_token_count", "create_time", "expire_time", "content")
+    __slots__ = ("name", "description", "token_count", "cached_token_count", "create_time", "expire_time", "content", "messages")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +67,7 @@ class Template(_message.Message):
     CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
     EXPIRE_TIME_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
     name: str
     description: str
     token_count: int
@@ -70,19 +75,22 @@ class Template(_message.Message):
     create_time: _timestamp_pb2.Timestamp
     expire_time: _timestamp_pb2.Timestamp
     content: str
-    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., token_count: _Optional[int] = ..., cached_token_count: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., content: _Optional[str] = ...) -> None: ...
+    messages: _containers.RepeatedCompositeFieldContainer[_engine_pb2.ChatMessage]
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., token_count: _Optional[int] = ..., cached_token_count: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., content: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_engine_pb2.ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class CreateTemplateRequest(_message.Message):
-    __slots__ = ("name", "content", "ttl_seconds", "description")
+    __slots__ = ("name", "content", "messages", "ttl_seconds", "description")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     name: str
     content: str
+    messages: _containers.RepeatedCompositeFieldContainer[_engine_pb2.ChatMessage]
     ttl_seconds: int
     description: str
-    def __init__(self, name: _Optional[str] = ..., content: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., description: _Optional[str] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., content: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_engine_pb2.ChatMessage, _Mapping]]] = ..., ttl_seconds: _Optional[int] = ..., description: _Optional[str] = ...) -> None: ...
 
 class GetTemplateRequest(_message.Message):
     __slots__ = ("name",)
