@@ -35,7 +35,8 @@ from tests.conftest import (
     start_redis,
     wait_for,
 )
-from tests.integration.engine_client import reference_greedy
+from tests.integration.engine_client import reference_greedy, stub
+from tests.integration.engine_client import request as engine_request
 from tests.integration.gateway_client import completion, document, status_of
 
 BLOCK = 16
@@ -212,6 +213,61 @@ def test_a_templated_request_is_the_template_tokens_then_the_prompt(acme, replic
         assert streamed == tokens
     finally:
         acme.delete_template("support-bot-2")
+
+
+CHAT_TEMPLATE = [
+    ("system", SUPPORT),
+    ("user", "Do you ship abroad?"),
+    ("assistant", "Yes, to every country, within two days."),
+]
+
+
+def chat_ids(tokenizer, messages, add_generation_prompt: bool) -> list[int]:
+    dicts = [{"role": r, "content": c} for r, c in messages]
+    return list(tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt)["input_ids"])
+
+
+def test_a_chat_template_is_rendered_with_the_request_messages(acme, replica, tokenizer):
+    created = acme.create_template("support-chat", messages=CHAT_TEMPLATE)
+    try:
+        template_ids = chat_ids(tokenizer, CHAT_TEMPLATE, False)
+        assert (created.token_count, created.cached_token_count) == (len(template_ids), aligned(len(template_ids)))
+        assert [(m.role, m.content) for m in acme.get_template("support-chat").messages] == CHAT_TEMPLATE
+
+        question = [("user", "What do you sell?")]
+        expected = chat_ids(tokenizer, CHAT_TEMPLATE + question, True)
+        tokens, usage = completion(acme, chat=question, template="support-chat", max_new_tokens=8)
+        assert (usage.prompt_tokens, usage.template_tokens) == (len(expected), len(template_ids))
+        assert usage.cached_prompt_tokens >= aligned(len(template_ids))
+        # Float64: the same prompt gives the same greedy tokens; the rendering
+        # itself is compared token for token in tests/unit/test_gateway_prompts.py.
+        assert tokens == completion(acme, expected, max_new_tokens=8)[0]
+
+        code, message = status_of(lambda: acme.complete(" Hi", template="support-chat"))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "holds chat messages" in message
+    finally:
+        acme.delete_template("support-chat")
+    acme.create_template("support-text", SUPPORT)
+    try:
+        code, message = status_of(lambda: acme.complete(chat=[("user", "Hi")], template="support-text"))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "holds text" in message
+    finally:
+        acme.delete_template("support-text")
+
+
+def test_a_gateway_client_gets_what_an_engine_client_gets(acme, replica, tokenizer):
+    ids = encode(tokenizer, "The capital of France is")
+    sampling = {"max_new_tokens": 4, "logprobs": True, "top_logprobs": 3}
+    through_gateway = acme.complete(ids, ignore_eos=True, **sampling)
+    direct = list(stub(replica.address).Generate(engine_request(ids, **sampling), timeout=120))
+    assert list(through_gateway.token_ids) == [t for m in direct for t in m.token_ids]
+    assert list(through_gateway.top_logprobs) == [t for m in direct for t in m.top_logprobs]
+    assert [len(t.token_ids) for t in through_gateway.top_logprobs] == [3] * 4
+    assert list(through_gateway.logprobs) == [lp for m in direct for lp in m.logprobs]
+    # Usage: every engine field, host-tier hits included (0: this daemon has no host tier).
+    engine_usage = direct[-1].usage
+    assert through_gateway.usage.prompt_tokens == engine_usage.prompt_tokens
+    assert through_gateway.usage.host_cached_prompt_tokens == engine_usage.host_cached_prompt_tokens == 0
 
 
 def test_tenants_never_share_templates_or_cached_blocks(acme, globex, tokenizer):
