@@ -6,6 +6,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.tokenizer import GatewayTokenizer
 from inference import model_store
 from kvd.client import DaemonClient
 from kvd_api.engine.v1 import engine_pb2 as pb
@@ -34,6 +35,18 @@ def test_tokenize_text_and_chat(engine, tokenizer):
     chat = pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content="Hi")])
     ids = list(engine.Tokenize(pb.TokenizeRequest(chat=chat)).token_ids)
     assert tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
+
+
+def test_tokenizer_files_load_the_engines_tokenizer_elsewhere(engine):
+    reply = engine.TokenizerFiles(pb.TokenizerFilesRequest())
+    assert "tokenizer.json" in reply.files and reply.model == engine.Info(pb.InfoRequest()).model
+    loaded = GatewayTokenizer(lambda: dict(reply.files))
+    text = "Hello, world! Émile's café — 北京."
+    assert loaded.text_ids(text) == list(engine.Tokenize(pb.TokenizeRequest(text=text)).token_ids)
+    chat = pb.ChatPrompt(messages=[pb.ChatMessage(role="system", content="Be brief."),
+                                   pb.ChatMessage(role="user", content="Hi")])  # fmt: skip
+    expected = list(engine.Tokenize(pb.TokenizeRequest(chat=chat)).token_ids)
+    assert loaded.chat_ids([("system", "Be brief."), ("user", "Hi")], add_generation_prompt=True) == expected
 
 
 def test_streamed_text_is_the_decoded_tokens_across_multibyte_characters(engine, tokenizer):
