@@ -186,7 +186,7 @@ class GatewayService(pb_grpc.GatewayServicer):
         max_context = self.pool.any_serving().model_info().max_context
         if len(token_ids) >= max_context:
             raise ValueError(
-                f"content is {len(token_ids)} tokens; the model's context of {max_context} tokens "
+                f"the template is {len(token_ids)} tokens; the model's context of {max_context} tokens "
                 "leaves no room for a prompt"
             )
         template = self.store.create(

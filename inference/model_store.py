@@ -12,7 +12,6 @@ import fcntl
 import importlib.util
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -261,14 +260,6 @@ def load_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
-
-
-def tokenizer_files(tokenizer) -> dict[str, bytes]:
-    """The files ``save_pretrained`` writes (name -> bytes): what another
-    process needs to load exactly this tokenizer, chat template included."""
-    with tempfile.TemporaryDirectory(prefix="kvd-tokenizer-") as folder:
-        tokenizer.save_pretrained(folder)
-        return {path.name: path.read_bytes() for path in Path(folder).iterdir() if path.is_file()}
 
 
 def model_layout(config, generation_config=None) -> ModelLayout:

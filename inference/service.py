@@ -6,14 +6,15 @@ import contextlib
 import functools
 import logging
 import secrets
+import tempfile
 import uuid
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from inference import model_store
 from inference.engine import Engine, EngineUnavailable
 from inference.sampling import SamplingParams
 from inference.sequence import Finish, Sequence
@@ -119,7 +120,7 @@ class EngineService(pb_grpc.EngineServicer):
 
     @functools.cached_property
     def _tokenizer_files(self) -> dict[str, bytes]:
-        return model_store.tokenizer_files(self.tokenizer)
+        return tokenizer_files(self.tokenizer)
 
     def Warm(self, request, context):
         try:
@@ -233,6 +234,14 @@ def _daemon_errors(context):
         if code not in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND):
             code = grpc.StatusCode.UNAVAILABLE
         context.abort(code, f"KV-cache daemon: {err.details()}")
+
+
+def tokenizer_files(tokenizer) -> dict[str, bytes]:
+    """The files ``save_pretrained`` writes (name -> bytes): what another
+    process needs to load exactly this tokenizer, chat template included."""
+    with tempfile.TemporaryDirectory(prefix="kvd-tokenizer-") as folder:
+        tokenizer.save_pretrained(folder)
+        return {path.name: path.read_bytes() for path in Path(folder).iterdir() if path.is_file()}
 
 
 def sampling_params(msg: pb.SamplingParams) -> SamplingParams:

@@ -15,6 +15,7 @@ from gateway.template_cache import TemplateCache
 from gateway.templates import Template, TemplateNotFound, TemplateStore
 from gateway.tokenizer import GatewayTokenizer
 from inference import model_store
+from inference.service import tokenizer_files
 from kvd_api.engine.v1 import engine_pb2 as epb
 from kvd_api.gateway.v1 import gateway_pb2 as pb
 
@@ -34,7 +35,7 @@ def reference(model_dir):
 
 @pytest.fixture(scope="module")
 def files(reference) -> dict[str, bytes]:
-    return model_store.tokenizer_files(reference)
+    return tokenizer_files(reference)
 
 
 @pytest.fixture(scope="module")
