@@ -371,8 +371,12 @@ def test_the_cli_manages_templates_and_generates(gateway):
         assert "cli-bot" in cli("template", "list")
         out = cli("generate", "--template", "cli-bot", "--max-new-tokens", "4", " Hello!")
         assert '"templateTokens"' in out and '"cachedPromptTokens"' in out
+        assert '"messages"' in cli("template", "create", "cli-chat", "--message", f"system:{SUPPORT}")
+        out = cli("generate", "--template", "cli-chat", "--chat", "--max-new-tokens", "4", "What do you sell?")
+        assert '"templateTokens"' in out
     finally:
         cli("template", "delete", "cli-bot")
+        cli("template", "delete", "cli-chat")
     failed = subprocess.run(
         [sys.executable, "-m", "gateway.client_cli", "--address", gateway.address, "--api-key", "acme-key",
          "template", "get", "cli-bot"], capture_output=True, text=True, timeout=60,
