@@ -16,7 +16,6 @@ what a process does while serving.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import socket
@@ -97,7 +96,8 @@ def trace(work: Path) -> dict[str, list[str]]:
         KVD_SOCKET=str(work / "kvd.sock"),
     )
     cmd = [sys.executable, "-m", "inference.stack", "--gateway", gateway, "--engine", engine]
-    serve = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(work / "serve.log", "w"))
+    with open(work / "serve.log", "w") as log:
+        serve = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
     try:
         wait_ready(gateway, timeout_s=300)
         with GatewayClient(gateway, timeout_s=60) as client:
