@@ -346,6 +346,7 @@ def flash_paged_attention(
 
     meta = attn_metadata
     layer_k, layer_v = store_new_kv(module.layer_idx, key, value, meta)
+    layer = LayerAttention.of_call(query.shape[-1], scaling, kwargs)
     device = query.device
     lengths = [end - start for start, end in zip(meta.query_start, meta.query_start[1:], strict=False)]
     width = max(len(t) for t in meta.block_tables)
@@ -360,8 +361,11 @@ def flash_paged_attention(
         cu_seqlens_k=torch.tensor([0, *_cumsum(meta.context_lens)], dtype=torch.int32, device=device),
         max_seqlen_q=max(lengths),
         max_seqlen_k=max(meta.context_lens),
-        softmax_scale=scaling,
+        softmax_scale=layer.scale,
         causal=True,  # bottom-right aligned in flash-attn >= 2.1
+        # A query sees itself and the window - 1 keys before it.
+        window_size=(layer.window - 1, 0) if layer.window else (-1, -1),
+        softcap=layer.softcap or 0.0,
         block_table=tables,
     )
     return out.unsqueeze(0), None

@@ -8,7 +8,7 @@ longer than the sliding window, sharing a prefix (cache hits), prefilled in
 chunks shorter than the prompts, on a pool too small to hold them all
 (preemption). Every greedy token must equal `generate`'s.
 
-    KVD_FAMILIES=gemma2,qwen3 pytest tests/integration/test_model_families.py   # a subset
+    pytest tests/integration/test_model_families.py --families gemma2,qwen3   # a subset
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ NEW_TOKENS = 8
 BLOCK_SIZE = 8
 TOKEN_BUDGET = 24  # shorter than every prompt: each is prefilled in chunks
 NUM_BLOCKS = 16  # holds any one sequence (at most 9 blocks), never all six at once
-SELECTED = [f for f in os.environ.get("KVD_FAMILIES", ",".join(FAMILIES)).split(",") if f]
 
 
 def prompts(seed: int) -> list[list[int]]:
@@ -102,7 +101,15 @@ def stack_of(short_workdir) -> Iterator:
         stack.stop()
 
 
-@pytest.mark.parametrize("model_type", SELECTED)
+def pytest_generate_tests(metafunc):
+    if "model_type" in metafunc.fixturenames:
+        chosen = [f for f in metafunc.config.getoption("--families").split(",") if f] or list(FAMILIES)
+        unknown = set(chosen) - set(FAMILIES)
+        if unknown:
+            raise pytest.UsageError(f"--families: unknown {sorted(unknown)}; known: {', '.join(FAMILIES)}")
+        metafunc.parametrize("model_type", chosen)
+
+
 def test_family_is_token_exact_with_windows_chunks_cache_hits_and_preemption(
     model_type, stack_of, short_workdir, caplog
 ):
