@@ -6,7 +6,8 @@ real daemon and a real engine, both in this process on real sockets (the
 daemon's cache is made for each model's layout), serve concurrent prompts
 longer than the sliding window, sharing a prefix (cache hits), prefilled in
 chunks shorter than the prompts, on a pool too small to hold them all
-(preemption). Every greedy token must equal `generate`'s.
+(preemption). Every greedy token must equal `generate`'s, and a cache hit's
+logprobs the reference logits' (the family's own head and logit transforms).
 
     pytest tests/integration/test_model_families.py --families gemma2,qwen3   # a subset
 """
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 
 from inference.app import EngineApp, EngineSettings
 from inference.model_support import VERIFIED_FAMILIES
@@ -129,12 +131,37 @@ def test_family_is_token_exact_with_windows_chunks_cache_hits_and_preemption(
     # One at a time, a prompt sharing the previous one's first 4 blocks reads them from the cache.
     first, second = (token_lists[0][: 4 * BLOCK_SIZE] + token_lists[i][:20] for i in (4, 5))
     generate(engine, request(first, NEW_TOKENS))
-    tokens, _, final = generate(engine, request(second, NEW_TOKENS))
+    tokens, logprobs, final = generate_with_logprobs(engine, second)
     assert final.usage.cached_prompt_tokens == 4 * BLOCK_SIZE
-    assert tokens == reference_greedy(reference, second, NEW_TOKENS)
+    expected_tokens, expected_logprobs = reference_with_logprobs(reference, second)
+    assert tokens == expected_tokens
+    # The family's own head made the logits (Gemma 2's final soft-capping, Granite's scaling).
+    torch.testing.assert_close(torch.tensor(logprobs, dtype=torch.float64), expected_logprobs, rtol=1e-5, atol=1e-5)
 
     assert engine.Info(pb.InfoRequest()).model_type == model_type
     assert_chat_renders_as_apply_chat_template(engine, model_dir)
+
+
+def generate_with_logprobs(engine, token_ids: list[int]):
+    """The engine's greedy tokens, their logprobs and the final message."""
+    tokens, logprobs, last = [], [], None
+    for message in engine.Generate(request(token_ids, NEW_TOKENS, logprobs=True), timeout=120):
+        tokens.extend(message.token_ids)
+        logprobs.extend(message.logprobs)
+        last = message
+    return tokens, logprobs, last
+
+
+def reference_with_logprobs(model, token_ids: list[int]) -> tuple[list[int], torch.Tensor]:
+    """`generate`'s greedy tokens and each one's log-probability under the model's logits."""
+    ids = torch.tensor([token_ids])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+        pad_token_id=model.config.pad_token_id, return_dict_in_generate=True, output_logits=True,
+    )  # fmt: skip
+    tokens = out.sequences[0, len(token_ids) :]
+    logprobs = torch.stack([step[0].double().log_softmax(dim=-1) for step in out.logits])
+    return tokens.tolist(), logprobs.gather(1, tokens[:, None])[:, 0]
 
 
 def assert_chat_renders_as_apply_chat_template(engine, model_dir: Path) -> None:
