@@ -77,4 +77,30 @@ def _unsupported_reason(config, model_type: str) -> str | None:
         )
     if getattr(config, "use_bidirectional_attention", False):
         return "its attention is bidirectional (an embedding model), not causal"
+    return _batch_dependent_rope(config)
+
+
+def _batch_dependent_rope(config) -> str | None:
+    """Rotary scalings whose frequencies follow the longest position in the
+    forward: in a flattened batch that is another request's, so a request's
+    tokens would depend on what it is batched with."""
+    for params in _rope_parameters(config):
+        rope_type = params.get("rope_type") or params.get("type")
+        original = params.get("original_max_position_embeddings") or getattr(
+            config, "original_max_position_embeddings", None
+        )
+        grows = rope_type == "longrope" and original and config.max_position_embeddings > original
+        if rope_type == "dynamic" or grows:
+            return (
+                f"its {rope_type!r} rotary scaling changes with the longest sequence in a batch, "
+                "so batched requests would not get the tokens they get alone"
+            )
     return None
+
+
+def _rope_parameters(config) -> list[dict]:
+    """The config's rotary settings: one dict, or one per layer type (Gemma 3)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if all(isinstance(v, dict) for v in params.values()) and params:
+        return list(params.values())
+    return [params]

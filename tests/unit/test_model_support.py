@@ -28,6 +28,21 @@ def test_unsupported_models_are_refused_naming_type_and_reason(config_class, rea
     assert reason in str(refused.value)
 
 
+def test_rotary_scaling_that_follows_the_batch_is_refused():
+    dynamic = transformers.LlamaConfig(rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(UnsupportedModel, match="'dynamic' rotary scaling changes with the longest sequence"):
+        check_supported(dynamic)
+    factors = dict(short_factor=[1.0] * 16, long_factor=[2.0] * 16)
+    longrope = transformers.Phi3Config(
+        hidden_size=128, num_attention_heads=4, max_position_embeddings=8192, original_max_position_embeddings=4096,
+        rope_scaling={"rope_type": "longrope", **factors},
+    )  # fmt: skip
+    with pytest.raises(UnsupportedModel, match="'longrope'"):
+        check_supported(longrope)
+    check_supported(transformers.LlamaConfig(rope_scaling={"rope_type": "llama3", "factor": 8.0,
+        "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}))  # fmt: skip
+
+
 def test_an_embedding_gemma_is_refused_as_bidirectional():
     with pytest.raises(UnsupportedModel, match="bidirectional"):
         check_supported(transformers.Gemma3TextConfig(use_bidirectional_attention=True))
