@@ -241,6 +241,7 @@ class GatewayService(pb_grpc.GatewayServicer):
             templates = 0  # Info stays useful while Redis is down
         return pb.InfoResponse(
             model=info.model,
+            model_type=info.model_type,
             block_size=info.block_size,
             max_context=info.max_context,
             templates=templates,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from inference import attention, model_store
+from inference import attention, model_store, model_support
 from inference.engine import Engine, EngineConfig
 from inference.service import EngineService, ModelInfo, build_server, set_health
 from kvd.client import DaemonClient, Session
@@ -47,6 +47,7 @@ class EngineApp:
         self.device = _resolve_device(settings.device)
         self.dtype = settings.dtype or model_store.default_dtype(self.device)
         path = model_store.resolve_model(settings.model, settings.model_cache_dir or model_store.default_cache_dir())
+        model_support.check_supported(model_store.load_config(path))  # before loading any weights
         self.model = model_store.load_model(path, model_store.parse_dtype(self.dtype), self.device)
         self.tokenizer = model_store.load_tokenizer(path)
         self.spec = model_store.model_layout(self.model.config, self.model.generation_config)
@@ -70,6 +71,7 @@ class EngineApp:
             vocab_size=self.spec.vocab_size,
             eos_token_ids=set(self.spec.eos_token_ids),
             block_size=0,
+            model_type=self.model.config.model_type,
         )
         service = EngineService(self.engine, self.tokenizer, self.info, prefix_caching=settings.prefix_caching)
         self.server, self.health = build_server(service)

@@ -16,11 +16,42 @@ The flattened batch, for three sequences::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+
+
+@dataclass(frozen=True, slots=True)
+class LayerAttention:
+    """What one layer's attention does differently from plain causal softmax attention.
+
+    Built from what the stock modeling code passes every attention call (the
+    same keywords its own SDPA and flash integrations read), so each family's
+    own rules (Gemma's alternating local/global layers, ``layer_types``,
+    Mistral's global window) decide it, not a copy of them here.
+
+    Attributes:
+        scale: multiplies the scores (``head_dim ** -0.5``, Gemma's
+            ``query_pre_attn_scalar ** -0.5``, Granite's ``attention_multiplier``).
+        window: a query sees only the last ``window`` positions, itself
+            included (None: all of them).
+        softcap: scores become ``softcap * tanh(scores / softcap)`` before
+            masking (Gemma 2; None: not capped).
+    """
+
+    scale: float
+    window: int | None = None
+    softcap: float | None = None
+
+    @classmethod
+    def of_call(cls, head_dim: int, scaling: float | None, kwargs: dict) -> LayerAttention:
+        return cls(
+            scale=scaling if scaling is not None else head_dim**-0.5,
+            window=kwargs.get("sliding_window") or None,
+            softcap=kwargs.get("softcap") or None,
+        )
 
 
 @dataclass
@@ -83,6 +114,35 @@ class AttentionMetadata:
     chunk_masks: list[torch.Tensor | None]
     decode: DecodeBatch | None = None
     looped: list[int] | None = None
+    window_masks: dict = field(default_factory=dict)
+
+    def mask(self, i: int, window: int | None) -> torch.Tensor | None:
+        """Sequence ``i``'s chunk mask for a layer with this window (built
+        once a step per window, then shared by the layers that use it)."""
+        if window is None or self.context_lens[i] <= window:
+            return self.chunk_masks[i]
+        key = (i, window)
+        if key not in self.window_masks:
+            q_len = self.query_start[i + 1] - self.query_start[i]
+            self.window_masks[key] = chunk_mask(q_len, self.context_lens[i], self.kv_cache, window)
+        return self.window_masks[key]
+
+    def decode_window_mask(self, window: int | None) -> torch.Tensor | None:
+        """The batched decodes' additive mask ``[B, P + S]`` over their
+        positions (prefix then own), hiding those before each one's window
+        (None: every position is inside it)."""
+        if window is None:
+            return None
+        key = ("decode", window)
+        if key not in self.window_masks:
+            batch = self.decode
+            prefix_len = batch.prefix_blocks.shape[0] * self.kv_cache.shape[3]
+            lens = prefix_len + (batch.own_mask == 0).sum(dim=1)
+            positions = torch.arange(prefix_len + batch.own_mask.shape[1], device=lens.device)
+            hidden = positions[None, :] < (lens - window)[:, None]
+            mask = torch.zeros(hidden.shape, dtype=self.kv_cache.dtype, device=lens.device)
+            self.window_masks[key] = mask.masked_fill_(hidden, float("-inf")) if hidden.any() else None
+        return self.window_masks[key]
 
 
 def store_new_kv(
@@ -128,26 +188,33 @@ def torch_paged_attention(
     meta = attn_metadata
     layer_k, layer_v = store_new_kv(module.layer_idx, key, value, meta)
     q = query[0]
-    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    layer = LayerAttention.of_call(q.shape[-1], scaling, kwargs)
     out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)
     looped = range(len(meta.context_lens)) if meta.looped is None else meta.looped
     for i in looped:
         start, end = meta.query_start[i], meta.query_start[i + 1]
         k = gather_kv(layer_k, meta.block_tables[i], meta.context_lens[i])
         v = gather_kv(layer_v, meta.block_tables[i], meta.context_lens[i])
-        out[start:end] = _attend(q[:, start:end], k, v, scale, meta.chunk_masks[i]).transpose(0, 1)
+        out[start:end] = _attend(q[:, start:end], k, v, layer, meta.mask(i, layer.window)).transpose(0, 1)
     if meta.decode is not None:
-        out[meta.decode.rows] = _attend_decodes(q, layer_k, layer_v, meta.decode, scale)
+        window_mask = meta.decode_window_mask(layer.window)
+        out[meta.decode.rows] = _attend_decodes(q, layer_k, layer_v, meta.decode, layer, window_mask)
     return out.unsqueeze(0), None
 
 
 def _attend_decodes(
-    q: torch.Tensor, layer_k: torch.Tensor, layer_v: torch.Tensor, batch: DecodeBatch, scale: float
+    q: torch.Tensor,
+    layer_k: torch.Tensor,
+    layer_v: torch.Tensor,
+    batch: DecodeBatch,
+    layer: LayerAttention,
+    window_mask: torch.Tensor | None,
 ) -> torch.Tensor:
     """One query per sequence over its shared prefix and its own positions.
 
     Args:
         q: the step's queries ``[heads, tokens, head_dim]``.
+        window_mask: :meth:`AttentionMetadata.decode_window_mask` for the layer.
 
     Returns:
         ``[B, heads, head_dim]``.
@@ -178,9 +245,12 @@ def _attend_decodes(
     prefix_scores = torch.bmm(by_kv_head, prefix_k.permute(1, 2, 0)).view(kv_heads, group, n, prefix_len)
     every_pair = torch.bmm(queries.transpose(0, 1), own_k.transpose(1, 2)).view(n, kv_heads, group, own_len, kv_heads)
     own_scores = every_pair.diagonal(dim1=1, dim2=4)  # [B, g, S, k]
-    own_scores += batch.own_mask[:, None, :, None]
     scores = torch.cat((prefix_scores.transpose(1, 2), own_scores.permute(3, 0, 1, 2)), dim=-1)  # [k, B, g, P + S]
-    probs = (scores * scale).softmax(dim=-1)
+    scores = _capped(scores * layer.scale, layer.softcap)
+    scores[..., prefix_len:] += batch.own_mask[:, None, :]
+    if window_mask is not None:
+        scores += window_mask[:, None, :]
+    probs = scores.softmax(dim=-1)
 
     from_prefix = torch.bmm(probs[..., :prefix_len].reshape(kv_heads, n * group, prefix_len), prefix_v.transpose(0, 1))
     spread = torch.zeros_like(every_pair)  # own probabilities on the diagonal, zero for the other KV heads
@@ -189,24 +259,41 @@ def _attend_decodes(
     return (from_own + from_prefix.view(kv_heads, n, group, head_dim).transpose(0, 1)).reshape(n, heads, head_dim)
 
 
-def chunk_mask(q_len: int, k_len: int, like: torch.Tensor) -> torch.Tensor | None:
+def chunk_mask(q_len: int, k_len: int, like: torch.Tensor, window: int | None = None) -> torch.Tensor | None:
     """The additive causal mask ``[q_len, k_len]`` (0 visible, -inf hidden) of
     a chunk whose queries are the last ``q_len`` of ``k_len`` positions, in
-    ``like``'s dtype and device; None when none is needed (one query, or a
-    square chunk: SDPA's own causal flag)."""
-    if q_len == 1 or q_len == k_len:
+    ``like``'s dtype and device; a ``window`` also hides the positions more
+    than ``window - 1`` before each query. None when none is needed (one
+    query, or a square chunk: SDPA's own causal flag), unless the window
+    hides some position."""
+    windowed = window is not None and k_len > window
+    if (q_len == 1 or q_len == k_len) and not windowed:
         return None
+    return _full_mask(q_len, k_len, like, window)
+
+
+def _full_mask(q_len: int, k_len: int, like: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """:func:`chunk_mask`, always built."""
     # Bottom-right aligned: query j sits at position k_len - q_len + j.
     hidden = torch.ones(q_len, k_len, dtype=torch.bool, device=like.device).triu_(diagonal=k_len - q_len + 1)
+    if window is not None and k_len > window:
+        hidden |= torch.ones_like(hidden).tril_(diagonal=k_len - q_len - window)
     return torch.zeros(q_len, k_len, dtype=like.dtype, device=like.device).masked_fill_(hidden, float("-inf"))
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
+def _capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Gemma 2's logit soft-capping (``softcap * tanh(scores / softcap)``), on scaled scores."""
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerAttention, mask: torch.Tensor | None
+) -> torch.Tensor:
     """Causal attention of the last ``q_len`` positions over ``k_len`` keys.
 
     Args:
         q: ``[heads, q_len, head_dim]``; k, v: ``[k_len, kv_heads, head_dim]`` (as gathered).
-        mask: :func:`chunk_mask` of the chunk.
+        mask: :func:`chunk_mask` of the chunk for the layer's window.
 
     Returns:
         ``[heads, q_len, head_dim]``.
@@ -214,13 +301,33 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mas
     NOTE: SDPA with grouped KV heads (``enable_gqa``) over transposed views:
     its fused kernel skips the masked half of a chunk and never materialises
     the scores; on the CPU it measured 1.3-2.2x faster than grouped einsums
-    for prefill chunks of 16-512 tokens over 512-1,016 keys.
+    for prefill chunks of 16-512 tokens over 512-1,016 keys. SDPA cannot
+    soft-cap, so a capped layer takes the explicit path.
     """
+    if layer.softcap is not None:
+        return _attend_capped(q, k, v, layer, mask)
     out = F.scaled_dot_product_attention(
         q[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-        attn_mask=mask, is_causal=mask is None and q.shape[1] > 1, scale=scale, enable_gqa=True,
+        attn_mask=mask, is_causal=mask is None and q.shape[1] > 1, scale=layer.scale, enable_gqa=True,
     )  # fmt: skip
     return out[0]
+
+
+def _attend_capped(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerAttention, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """:func:`_attend` with the scores soft-capped before masking."""
+    heads, q_len, head_dim = q.shape
+    kv_heads = k.shape[1]
+    by_kv_head = q.reshape(kv_heads, heads // kv_heads * q_len, head_dim)
+    scores = torch.bmm(by_kv_head, k.permute(1, 2, 0)).view(heads, q_len, -1)  # [heads, q_len, k_len]
+    scores = _capped(scores * layer.scale, layer.softcap)
+    if mask is None and q_len > 1:
+        mask = _full_mask(q_len, k.shape[0], q)  # the square chunk SDPA would mask by its causal flag
+    if mask is not None:
+        scores += mask
+    probs = scores.softmax(dim=-1).view(kv_heads, heads // kv_heads * q_len, -1)
+    return torch.bmm(probs, v.transpose(0, 1)).view(heads, q_len, head_dim)
 
 
 def flash_paged_attention(
@@ -239,6 +346,7 @@ def flash_paged_attention(
 
     meta = attn_metadata
     layer_k, layer_v = store_new_kv(module.layer_idx, key, value, meta)
+    layer = LayerAttention.of_call(query.shape[-1], scaling, kwargs)
     device = query.device
     lengths = [end - start for start, end in zip(meta.query_start, meta.query_start[1:], strict=False)]
     width = max(len(t) for t in meta.block_tables)
@@ -253,8 +361,11 @@ def flash_paged_attention(
         cu_seqlens_k=torch.tensor([0, *_cumsum(meta.context_lens)], dtype=torch.int32, device=device),
         max_seqlen_q=max(lengths),
         max_seqlen_k=max(meta.context_lens),
-        softmax_scale=scaling,
+        softmax_scale=layer.scale,
         causal=True,  # bottom-right aligned in flash-attn >= 2.1
+        # A query sees itself and the window - 1 keys before it.
+        window_size=(layer.window - 1, 0) if layer.window else (-1, -1),
+        softcap=layer.softcap or 0.0,
         block_table=tables,
     )
     return out.unsqueeze(0), None

@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         default=env_default("KVD_MODEL", "smollm2"),
-        help="'smollm2' (the bundled SmolLM2-135M-Instruct), a local HF model folder, or a .gguf file (KVD_MODEL)",
+        help="'smollm2' (the bundled SmolLM2-135M-Instruct), a local HF model folder, or a .gguf file, "
+        "of a supported family (README: Model families; others are refused) (KVD_MODEL)",
     )
     p.add_argument(
         "--model-cache-dir",

@@ -74,10 +74,14 @@ class ModelRunner:
             Logits ``[n, vocab]`` for the chunks that want them, in order.
         """
         ids, positions, meta, last = self._prepare(chunks)
-        hidden = self.model.model(
-            input_ids=ids, position_ids=positions, attn_metadata=meta, use_cache=False
-        ).last_hidden_state
-        logits = self.model.lm_head(hidden[0, last])
+        # NOTE: the whole causal LM, not its base model and lm_head: families
+        # differ in their heads' names (GPT-NeoX's embed_out) and in what they
+        # do to the logits (Gemma 2's final soft-capping, Granite's scaling).
+        # An index tensor for logits_to_keep: an int 0 would mean every row.
+        keep = torch.tensor(last, dtype=torch.long, device=self.device)
+        logits = self.model(
+            input_ids=ids, position_ids=positions, attn_metadata=meta, use_cache=False, logits_to_keep=keep
+        ).logits[0]
         # Sampling works in at least float32; float64 stays float64 (exactness tests).
         return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
 

@@ -36,8 +36,9 @@ class ModelInfo:
     """What the service needs to know of the model."""
 
     def __init__(self, name: str, dtype: str, device: str, backend: str, max_context: int, vocab_size: int,
-                 eos_token_ids: set[int], block_size: int) -> None:  # fmt: skip
+                 eos_token_ids: set[int], block_size: int, model_type: str = "") -> None:  # fmt: skip
         self.name, self.dtype, self.device, self.backend = name, dtype, device, backend
+        self.model_type = model_type
         self.max_context, self.vocab_size, self.block_size = max_context, vocab_size, block_size
         self.eos_token_ids = eos_token_ids
 
@@ -167,6 +168,7 @@ class EngineService(pb_grpc.EngineServicer):
             eos_token_ids=sorted(i.eos_token_ids),
             device=i.device,
             cache_id=session.cache_id if (session := self.engine.session) is not None else "",
+            model_type=i.model_type,
         )
 
     # ---------------------------------------------------------- helpers

@@ -28,6 +28,11 @@ def pytest_addoption(parser):
         default=0.0,
         help="seconds of churn per stack in tests/integration/test_offload.py (default: two rounds)",
     )
+    parser.addoption(
+        "--families",
+        default="",
+        help="comma-separated model types for tests/integration/test_model_families.py (default: all)",
+    )
 
 
 def pytest_collection_modifyitems(config, items):
