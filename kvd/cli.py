@@ -140,7 +140,7 @@ def _resolve_device(device: str) -> str:
 
 
 def _config_from_args(args: argparse.Namespace):
-    from kvd.daemon import DaemonConfig
+    from kvd.config import DaemonConfig
     from kvd.layout import CacheLayout
 
     layout = None
@@ -216,10 +216,8 @@ def _serve_until_signal(daemon, server) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    interval = min(1.0, daemon.config.lease_s / 4)
-    while not stop.wait(interval):
-        for session_id in daemon.reap_expired():
-            log.warning("session lease expired; its blocks were released", extra={"session": session_id})
+    daemon.start()
+    stop.wait()
     log.info("kvd stopping")
     server.stop(grace=2).wait()
     daemon.close()

@@ -57,7 +57,7 @@ class KVDaemonService(pb_grpc.KVDaemonServicer):
 
     @_rpc
     def Describe(self, request, context):
-        memory = self.daemon.describe()
+        memory = self.daemon.cache_memory()
         if memory is None:
             return pb.DescribeResponse(ready=False)
         return pb.DescribeResponse(
