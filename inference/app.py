@@ -10,7 +10,7 @@ import torch
 
 from inference import attention, model_store
 from inference.engine import Engine, EngineConfig
-from inference.service import EngineService, ModelInfo, build_server, set_health
+from inference.service import EngineService, ModelInfo, build_server
 from kvd.client import DaemonClient, Session
 from kvd.layout import CacheLayout
 
@@ -72,9 +72,8 @@ class EngineApp:
             block_size=0,
         )
         service = EngineService(self.engine, self.tokenizer, self.info, prefix_caching=settings.prefix_caching)
-        self.server, self.health = build_server(service)
-        self.port = self.server.add_insecure_port(settings.listen)
-        set_health(self.health, False)
+        self.server = build_server(service)
+        self.port = self.server.add_port(settings.listen)
 
     def start(self) -> None:
         self.server.start()
@@ -86,8 +85,7 @@ class EngineApp:
         )  # fmt: skip
 
     def stop(self) -> None:
-        set_health(self.health, False)
-        self.server.stop(grace=2).wait()
+        self.server.stop(grace_s=2)
         self.engine.stop()
 
     def _attach(self) -> Session:
@@ -109,7 +107,7 @@ class EngineApp:
         return session
 
     def _health_changed(self, healthy: bool) -> None:
-        set_health(self.health, healthy)
+        self.server.set_serving(healthy)
 
 
 def _resolve_device(device: str) -> str:

@@ -198,9 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     metrics = DaemonMetrics(daemon)
     server = build_server(daemon, metrics)
     _prepare_socket(args.socket)
-    server.add_insecure_port(f"unix:{args.socket}")
+    server.add_port(f"unix:{args.socket}")
     if args.listen:
-        server.add_insecure_port(args.listen)
+        server.add_port(args.listen)
     server.start()
     os.chmod(args.socket, 0o600)
     if args.metrics_port:
@@ -219,7 +219,7 @@ def _serve_until_signal(daemon, server) -> int:
     daemon.start()
     stop.wait()
     log.info("kvd stopping")
-    server.stop(grace=2).wait()
+    server.stop(grace_s=2)
     daemon.close()
     return 0
 
