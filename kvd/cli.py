@@ -42,6 +42,23 @@ def env_default(name: str, default):
     return os.environ.get(name, default)
 
 
+# Variables no longer read, and what replaced them: a container started with
+# one is refused rather than silently run with a default.
+RETIRED_VARIABLES = {
+    "KVD_DTYPE": (
+        "KVD_DTYPE is no longer read: it meant the daemon's cache dtype and the engine's model dtype at once. "
+        "Set KVD_CACHE_DTYPE (the daemon, with --num-layers) or KVD_MODEL_DTYPE (the engine) instead."
+    ),
+}
+
+
+def refuse_retired_variables(prog: str) -> None:
+    """Exits with status 2 and a message naming the replacement when a retired variable is set."""
+    for name, message in RETIRED_VARIABLES.items():
+        if name in os.environ:
+            raise SystemExit(f"{prog}: {message}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvd",
@@ -125,7 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     model.add_argument("--head-dim", type=int, default=int(env_default("KVD_HEAD_DIM", 0)), help="(KVD_HEAD_DIM)")
     model.add_argument(
-        "--dtype", default=env_default("KVD_DTYPE", "float32"), help="cache dtype with --num-layers (KVD_DTYPE)"
+        "--cache-dtype",
+        default=env_default("KVD_CACHE_DTYPE", "float32"),
+        help="the cache's dtype with --num-layers (KVD_CACHE_DTYPE); otherwise the first engine's model dtype",
     )
     p.add_argument("--log-level", default=env_default("KVD_LOG_LEVEL", "info"), help="(KVD_LOG_LEVEL)")
     return p
@@ -145,7 +164,7 @@ def _config_from_args(args: argparse.Namespace):
 
     layout = None
     if args.num_layers or args.num_kv_heads or args.head_dim:
-        layout = CacheLayout(args.num_layers, args.num_kv_heads, args.head_dim, args.block_size, args.dtype)
+        layout = CacheLayout(args.num_layers, args.num_kv_heads, args.head_dim, args.block_size, args.cache_dtype)
     return DaemonConfig(
         block_size=args.block_size,
         num_blocks=args.num_blocks,
@@ -178,6 +197,7 @@ def _prepare_socket(path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    refuse_retired_variables("kvd")
     args = build_parser().parse_args(argv)
     logs.configure(args.log_level)
     if args.device.startswith("cuda") or args.device == "auto":
