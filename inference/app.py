@@ -11,7 +11,7 @@ import torch
 from inference import attention, model_store
 from inference.engine import Engine, EngineConfig
 from inference.service import EngineService, ModelInfo, build_server
-from kvd.client import DaemonClient, Session
+from kvd.client import DaemonClient, DaemonSession
 from kvd.layout import CacheLayout
 
 log = logging.getLogger("inference.app")
@@ -49,10 +49,11 @@ class EngineApp:
         path = model_store.resolve_model(settings.model, settings.model_cache_dir or model_store.default_cache_dir())
         self.model = model_store.load_model(path, model_store.parse_dtype(self.dtype), self.device)
         self.tokenizer = model_store.load_tokenizer(path)
-        self.spec = model_store.model_layout(self.model.config, self.model.generation_config)
+        self.spec = model_store.model_spec(self.model.config, self.model.generation_config)
         self.backend = attention.choose_backend(settings.attention_backend, self.device)
         self.model.set_attn_implementation(attention.BACKENDS[self.backend])
-        self.layout = CacheLayout(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim, 1, self.dtype)
+        kv = self.spec.layout
+        self.layout = CacheLayout(kv.num_layers, kv.num_kv_heads, kv.head_dim, 1, self.dtype)
         self.engine = Engine(
             self.model,
             self.tokenizer,
@@ -88,7 +89,7 @@ class EngineApp:
         self.server.stop(grace_s=2)
         self.engine.stop()
 
-    def _attach(self) -> Session:
+    def _attach(self) -> DaemonSession:
         client = DaemonClient.connect(self.settings.kvd_address, timeout_s=2.0)
         try:
             session = client.attach(f"engine:{self.info.name}", self.layout)

@@ -36,11 +36,18 @@ _ACCEPTED_SPECS = (
 
 @dataclass(frozen=True)
 class ModelLayout:
-    """What the engine and the daemon need to know of a model's shape and limits."""
+    """The shape of a model's KV: what the daemon's cache must hold per token."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the engine needs to know of a model: its KV layout and its limits."""
+
+    layout: ModelLayout
     max_context: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
@@ -255,7 +262,7 @@ def load_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
-def model_layout(config, generation_config=None) -> ModelLayout:
+def model_spec(config, generation_config=None) -> ModelSpec:
     """The KV layout and limits of a model.
 
     Args:
@@ -271,10 +278,12 @@ def model_layout(config, generation_config=None) -> ModelLayout:
     eos_ids = _token_ids(config.eos_token_id)
     if generation_config is not None:
         eos_ids += _token_ids(getattr(generation_config, "eos_token_id", None))
-    return ModelLayout(
-        num_layers=config.num_hidden_layers,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-        head_dim=head_dim,
+    return ModelSpec(
+        layout=ModelLayout(
+            num_layers=config.num_hidden_layers,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            head_dim=head_dim,
+        ),
         max_context=config.max_position_embeddings,
         vocab_size=config.vocab_size,
         eos_token_ids=tuple(dict.fromkeys(eos_ids)),
