@@ -64,6 +64,8 @@ class Daemon:
             raise PreconditionError("the daemon has no cache yet: an engine must attach with its model's layout")
         return self.cache
 
+    # NOTE: the Step method's body reads the cache through these two, as it did
+    # before the split; the Step protocol's rewrite replaces them.
     def _ready(self) -> tuple[BlockPool, KVCacheManager, PinRegistry]:
         cache = self._cache()
         return cache.pool, cache.manager, cache.pins
