@@ -39,7 +39,7 @@ class DaemonClient:
             raise ConnectionError(f"the daemon at {address} did not answer within {timeout_s}s") from None
         return cls(channel)
 
-    def attach(self, client_name: str, layout: CacheLayout | None = None, map_memory: bool = True) -> Session:
+    def attach(self, client_name: str, layout: CacheLayout | None = None, map_memory: bool = True) -> DaemonSession:
         """Opens a session; ``layout`` is the model's (its block size is the daemon's to choose).
 
         Raises:
@@ -49,7 +49,7 @@ class DaemonClient:
         if layout is not None:
             request.layout.CopyFrom(wire.layout_to_pb(layout))
             request.layout.block_size = 0  # the daemon's setting
-        return Session(self, self.stub.Attach(request), map_memory)
+        return DaemonSession(self, self.stub.Attach(request), map_memory)
 
     def lookup(self, token_ids: list[int], cache_salt: bytes = b"") -> int:
         """Cached leading tokens of ``token_ids`` (block-aligned)."""
@@ -84,7 +84,7 @@ class DaemonClient:
         self.close()
 
 
-class Session:
+class DaemonSession:
     """An attached session: keeps its lease alive from a background thread.
 
     Attributes:
