@@ -23,13 +23,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
 
 from inference.app import EngineApp, EngineSettings
 from inference.model_support import VERIFIED_FAMILIES
 from kvd.daemon import Daemon, DaemonConfig
+from kvd.grpc_server import Server
 from kvd.service import build_server
 from kvd_api.engine.v1 import engine_pb2 as pb
 from tests.conftest import wait_serving
@@ -57,11 +57,11 @@ class Stack:
     app: EngineApp
     address: str
     daemon: Daemon
-    daemon_server: grpc.Server
+    daemon_server: Server
 
     def stop(self) -> None:
         self.app.stop()
-        self.daemon_server.stop(grace=1).wait()
+        self.daemon_server.stop(grace_s=1)
         self.daemon.close()
 
 
@@ -69,7 +69,7 @@ def start_stack(model_dir: Path, workdir: str) -> Stack:
     daemon = Daemon(DaemonConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, shm_dir=workdir, lease_s=30))
     daemon_server = build_server(daemon, None)
     socket_path = os.path.join(workdir, "kvd.sock")
-    daemon_server.add_insecure_port(f"unix:{socket_path}")
+    daemon_server.add_port(f"unix:{socket_path}")
     daemon_server.start()
     app = EngineApp(
         EngineSettings(
