@@ -23,7 +23,7 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from gateway.auth import SCOPE_GENERATE, SCOPE_TEMPLATES_WRITE, Authenticator, tenant_salt
-from gateway.engine_link import engine_error
+from gateway.engine_link import engine_error, remaining_s
 from gateway.keeper import TemplateKeeper
 from gateway.replicas import ReplicaPool
 from gateway.router import NoReplica, RouteKey
@@ -45,6 +45,8 @@ from kvd_api.gateway.v1 import gateway_pb2_grpc as pb_grpc
 log = logging.getLogger("gateway.service")
 
 VERSION = "0.1.0"
+# A template's warming prefill, for a caller that set no deadline.
+WARM_TIMEOUT_S = 120.0
 
 _STATUS_BY_ERROR: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (TemplateNotFound, grpc.StatusCode.NOT_FOUND),
@@ -154,7 +156,7 @@ class GatewayService(pb_grpc.GatewayServicer):
         self.router.started(address)
         finished = _Once(lambda: self.router.finished(address))
         context.add_callback(finished)  # a cancelled stream may never resume this generator
-        call = link.stub.Generate(engine_request, timeout=context.time_remaining())
+        call = link.stub.Generate(engine_request, timeout=remaining_s(context))
         # A client that cancels (or whose deadline passes) cancels the engine's
         # request, which frees its blocks.
         context.add_callback(call.cancel)
@@ -193,7 +195,7 @@ class GatewayService(pb_grpc.GatewayServicer):
             tenant, request.name, request.content, token_ids, request.ttl_seconds, request.description
         )
         try:
-            self.keeper.warm(template, timeout_s=context.time_remaining())
+            self.keeper.warm(template, timeout_s=remaining_s(context, WARM_TIMEOUT_S))
         except (grpc.RpcError, NoReplica):
             # Not usable as promised: the name stays free for another try.
             self.store.delete(tenant, request.name)
