@@ -73,7 +73,17 @@ class GatewaySettings:
 class GatewayApp:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
-        self.redis = redis_conn.connect(settings.redis_url, settings.data_dir or default_data_dir())
+        self.redis, self.embedded_redis = redis_conn.connect(
+            settings.redis_url, settings.data_dir or default_data_dir()
+        )
+        try:
+            self._build()
+        except BaseException:
+            self._stop_redis()
+            raise
+
+    def _build(self) -> None:
+        settings = self.settings
         self.store = TemplateStore(self.redis, settings.redis_prefix)
         self.pool = ReplicaPool(
             settings.engines,
@@ -136,3 +146,9 @@ class GatewayApp:
         self.keeper.stop()
         self.server.stop(grace=2).wait()
         self.pool.stop()
+        self._stop_redis()
+
+    def _stop_redis(self) -> None:
+        self.redis.close()
+        if self.embedded_redis is not None:
+            self.embedded_redis.stop()

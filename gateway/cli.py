@@ -123,13 +123,16 @@ def add_key(argv: list[str]) -> int:
     from gateway.auth import RedisKeys
 
     args = build_key_parser().parse_args(argv)
-    client = redis_conn.connect(args.redis_url, Path(args.data_dir) if args.data_dir else default_data_dir())
+    client, embedded = redis_conn.connect(args.redis_url, Path(args.data_dir) if args.data_dir else default_data_dir())
     key = "kvd-" + secrets.token_urlsafe(24)
     try:
         RedisKeys(client, args.redis_prefix).add(key, args.tenant, [s for s in args.scopes.split(",") if s])
     except ValueError as exc:
         print(f"kvd-gateway: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if embedded is not None:
+            embedded.stop()
     print(key)
     return 0
 
