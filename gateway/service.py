@@ -34,9 +34,9 @@ from gateway.templates import (
     TemplateNotFound,
     TemplateStore,
     check_name,
-    check_ttl,
     warm_member,
 )
+from gateway.validation import check_create, check_generate, check_list, check_update
 from kvd.hashing import chain_block_hashes, encode_extra_keys
 from kvd_api.engine.v1 import engine_pb2 as epb
 from kvd_api.gateway.v1 import gateway_pb2 as pb
@@ -109,12 +109,11 @@ class GatewayService(pb_grpc.GatewayServicer):
     def _engine_request(self, tenant: str, request, context) -> tuple[epb.GenerateRequest, int, RouteKey]:
         """The engine's request (template tokens first), its template's token
         count, and what routes it."""
-        out = epb.GenerateRequest(cache_salt=tenant_salt(tenant, request.cache_salt))
-        out.sampling.CopyFrom(request.sampling)
-        kind = request.WhichOneof("prompt")
-        if kind is None and not request.template:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: give text, chat messages or token ids")
         with self._statuses(context):
+            check_generate(request)
+            out = epb.GenerateRequest(cache_salt=tenant_salt(tenant, request.cache_salt))
+            out.sampling.CopyFrom(request.sampling)
+            kind = request.WhichOneof("prompt")
             if request.template:
                 template = self.store.get(tenant, request.template)
                 out.token_ids.ids.extend(template.token_ids + self._prompt_ids(request, kind))
@@ -179,10 +178,7 @@ class GatewayService(pb_grpc.GatewayServicer):
     @_unary
     def CreateTemplate(self, request, context):
         tenant = self.auth.authorize(context, SCOPE_TEMPLATES_WRITE).tenant
-        check_name(request.name)
-        check_ttl(request.ttl_seconds)
-        if not request.content:
-            raise ValueError("content must not be empty")
+        check_create(request)
         engine = self.pool.any_serving()
         token_ids = engine.tokenize(epb.TokenizeRequest(text=request.content))
         max_context = engine.model_info().max_context
@@ -206,11 +202,13 @@ class GatewayService(pb_grpc.GatewayServicer):
     @_unary
     def GetTemplate(self, request, context):
         tenant = self.auth.authorize(context, None).tenant
+        check_name(request.name)
         return _template_pb(self.store.get(tenant, request.name), with_content=True)
 
     @_unary
     def ListTemplates(self, request, context):
         tenant = self.auth.authorize(context, None).tenant
+        check_list(request)
         templates, next_token = self.store.list(tenant, request.page_size, request.page_token)
         return pb.ListTemplatesResponse(
             templates=[_template_pb(t, with_content=False) for t in templates], next_page_token=next_token
@@ -219,6 +217,7 @@ class GatewayService(pb_grpc.GatewayServicer):
     @_unary
     def UpdateTemplate(self, request, context):
         tenant = self.auth.authorize(context, SCOPE_TEMPLATES_WRITE).tenant
+        check_update(request)
         ttl = request.ttl_seconds if request.HasField("ttl_seconds") else None
         description = request.description if request.HasField("description") else None
         return _template_pb(self.store.update(tenant, request.name, ttl, description), with_content=True)
@@ -226,6 +225,7 @@ class GatewayService(pb_grpc.GatewayServicer):
     @_unary
     def DeleteTemplate(self, request, context):
         tenant = self.auth.authorize(context, SCOPE_TEMPLATES_WRITE).tenant
+        check_name(request.name)
         self.store.delete(tenant, request.name)
         self.keeper.release(tenant, request.name)  # or the keeper's sweep, if a replica is down
         log.info("template deleted", extra={"tenant": tenant, "template": request.name})

@@ -19,7 +19,10 @@ created; its content never changes (a new content is a new name).
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import re
+import secrets
 import time
 from array import array
 from collections.abc import Sequence
@@ -30,6 +33,8 @@ import redis
 NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
 MAX_PAGE_SIZE = 500
 DEFAULT_PAGE_SIZE = 50
+MAX_TTL_S = 10 * 365 * 24 * 3600
+MAX_DESCRIPTION = 1024
 
 
 class TemplateNotFound(LookupError):
@@ -56,14 +61,19 @@ class Template:
     cached_tokens: int
 
 
-def check_name(name: str) -> None:
+def check_name(name: str, field: str = "name") -> None:
     if not NAME.match(name):
-        raise ValueError(f"template name {name!r} is not allowed: use [a-z0-9][a-z0-9._-]{{0,127}}")
+        raise ValueError(f"{field}: {name[:200]!r} is not allowed as a template name: use [a-z0-9][a-z0-9._-]{{0,127}}")
 
 
 def check_ttl(ttl_seconds: int) -> None:
-    if ttl_seconds < 0:
-        raise ValueError(f"ttl_seconds must be >= 0, got {ttl_seconds}")
+    if not 0 <= ttl_seconds <= MAX_TTL_S:
+        raise ValueError(f"ttl_seconds must be in [0, {MAX_TTL_S}] (0: no expiry), got {ttl_seconds}")
+
+
+def check_description(description: str) -> None:
+    if len(description) > MAX_DESCRIPTION:
+        raise ValueError(f"description is {len(description)} characters; at most {MAX_DESCRIPTION}")
 
 
 class TemplateStore:
@@ -75,6 +85,7 @@ class TemplateStore:
     def __init__(self, client: redis.Redis, prefix: str = "kvd:") -> None:
         self.redis = client
         self.prefix = prefix
+        self._page_secret: bytes | None = None
 
     def _key(self, tenant: str, name: str) -> str:
         return f"{self.prefix}tpl:{tenant}:{name}"
@@ -164,7 +175,7 @@ class TemplateStore:
         if page_size < 0:
             raise ValueError(f"page_size must be >= 0, got {page_size}")
         size = min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
-        start = f"({page_token}" if page_token else "-"
+        start = f"({self._after(tenant, page_token)}" if page_token else "-"
         found: list[Template] = []
         with self._redis() as r:
             while len(found) < size:
@@ -178,7 +189,31 @@ class TemplateStore:
                         r.zrem(self._index(tenant), name)
                 start = f"({names[-1]}"
             more = r.zrangebylex(self._index(tenant), start, "+", 0, 1)
-        return found, (found[-1].name if more else "")
+        return found, (self._page_token(tenant, found[-1].name) if more else "")
+
+    # NOTE: a page token is the last name of its page, signed with a key kept
+    # in Redis (shared by every gateway on it): a token no listing produced,
+    # or one of another tenant, is refused rather than read as a position.
+    def _page_token(self, tenant: str, last_name: str) -> str:
+        return f"{last_name}.{self._signature(tenant, last_name)}"
+
+    def _after(self, tenant: str, page_token: str) -> str:
+        last_name, _, signature = page_token.rpartition(".")
+        if not (NAME.match(last_name) and hmac.compare_digest(signature, self._signature(tenant, last_name))):
+            raise ValueError("page_token: not a token from a previous ListTemplates page")
+        return last_name
+
+    def _signature(self, tenant: str, last_name: str) -> str:
+        message = f"{tenant}\0{last_name}".encode()
+        return hmac.new(self._page_key(), message, hashlib.sha256).hexdigest()[:32]
+
+    def _page_key(self) -> bytes:
+        if self._page_secret is None:
+            key = f"{self.prefix}page-token-key"
+            with self._redis() as r:
+                r.set(key, secrets.token_bytes(32), nx=True)  # the first gateway's key is everyone's
+                self._page_secret = r.get(key)
+        return self._page_secret
 
     def count(self, tenant: str) -> int:
         with self._redis() as r:

@@ -99,3 +99,90 @@ def test_readme_examples_from_node(stack, node_client):
     with GatewayClient(stack.address, timeout_s=120) as client:
         reply = client.complete(README_PROMPT, template=name, max_new_tokens=8, ignore_eos=True)
     assert list(reply.token_ids) == generated["token_ids"]
+
+
+def _generate(prompt: str = "Hi", **kwargs) -> pb.GenerateRequest:
+    request = pb.GenerateRequest(text=prompt, sampling=epb.SamplingParams(max_new_tokens=2))
+    for name, value in kwargs.items():
+        target, _, field = name.rpartition("__")
+        message = getattr(request, target) if target else request
+        if isinstance(value, list):
+            getattr(message, field).extend(value)
+        else:
+            setattr(message, field, value)
+    return request
+
+
+def _token_prompt(ids: list[int]) -> pb.GenerateRequest:
+    request = pb.GenerateRequest(sampling=epb.SamplingParams(max_new_tokens=2))
+    request.token_ids.ids.extend(ids)
+    return request
+
+
+def _chat_without_role() -> pb.GenerateRequest:
+    request = pb.GenerateRequest()
+    request.chat.messages.add(content="hello")
+    return request
+
+
+# (method, request, a part of the message that names the field)
+BAD_REQUESTS = [
+    ("Complete", _generate(sampling__stop_token_ids=[-1]), "sampling.stop_token_ids"),
+    ("Complete", _generate(sampling__stop_token_ids=[10**12]), "sampling.stop_token_ids"),
+    ("Complete", _generate(sampling__temperature=float("nan")), "sampling.temperature"),
+    ("Complete", _generate(sampling__top_p=2.0), "sampling.top_p"),
+    ("Complete", _generate(sampling__top_k=-3), "sampling.top_k"),
+    ("Complete", _generate(sampling__max_new_tokens=0), "sampling.max_new_tokens"),
+    ("Complete", _generate(sampling__max_new_tokens=10**9), "max_new_tokens"),
+    ("Complete", _generate(sampling__top_logprobs=99), "sampling.top_logprobs"),
+    ("Complete", _generate(sampling__stop=[""]), "sampling.stop"),
+    ("Complete", _generate(template="Not A Name"), "template"),
+    ("Complete", _generate(cache_salt=b"s" * 257), "cache_salt"),
+    ("Complete", _token_prompt([1, -5]), "token_ids"),
+    ("Complete", _token_prompt([10**9]), "token_ids"),
+    ("Complete", _chat_without_role(), "chat.messages[0].role"),
+    ("Complete", pb.GenerateRequest(), "prompt"),
+    ("Generate", _generate(sampling__stop_token_ids=[-1]), "sampling.stop_token_ids"),
+    ("CreateTemplate", pb.CreateTemplateRequest(name="ok-name", content=""), "content"),
+    ("CreateTemplate", pb.CreateTemplateRequest(name="-bad", content="x"), "name"),
+    ("CreateTemplate", pb.CreateTemplateRequest(name="ok-name", content="x", ttl_seconds=-1), "ttl_seconds"),
+    ("CreateTemplate", pb.CreateTemplateRequest(name="ok-name", content="x", ttl_seconds=2**62), "ttl_seconds"),
+    ("CreateTemplate", pb.CreateTemplateRequest(name="ok-name", content="x", description="d" * 2000), "description"),
+    ("GetTemplate", pb.GetTemplateRequest(name=""), "name"),
+    ("DeleteTemplate", pb.DeleteTemplateRequest(name="a/b"), "name"),
+    ("UpdateTemplate", pb.UpdateTemplateRequest(name="ok-name", ttl_seconds=-5), "ttl_seconds"),
+    ("ListTemplates", pb.ListTemplatesRequest(page_size=-1), "page_size"),
+    ("ListTemplates", pb.ListTemplatesRequest(page_token="zzz"), "page_token"),
+    ("ListTemplates", pb.ListTemplatesRequest(page_token="abc.0123456789abcdef0123456789abcdef"), "page_token"),
+]
+
+
+@pytest.mark.parametrize(("method", "request_", "field"), BAD_REQUESTS, ids=lambda v: v if isinstance(v, str) else "")
+def test_bad_fields_are_refused_by_name(stub, method, request_, field):
+    call = getattr(stub, method)
+    with pytest.raises(grpc.RpcError) as info:
+        reply = call(request_, timeout=60)
+        if method == "Generate":
+            list(reply)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert field in info.value.details()
+
+
+def test_page_tokens_are_the_listings_own(stub):
+    names = [f"page-{i}-{secrets.token_hex(2)}" for i in range(3)]
+    for name in names:
+        stub.CreateTemplate(pb.CreateTemplateRequest(name=name, content=f"Template {name}."), timeout=120)
+    seen, token = [], ""
+    while True:
+        page = stub.ListTemplates(pb.ListTemplatesRequest(page_size=1, page_token=token), timeout=30)
+        seen += [t.name for t in page.templates]
+        token = page.next_page_token
+        if not token:
+            break
+        # A token names a position: editing it makes it one no listing produced.
+        forged = token.rpartition(".")[0] + "." + "0" * 32
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ListTemplates(pb.ListTemplatesRequest(page_token=forged), timeout=30)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert set(names) <= set(seen)
+    assert seen == sorted(seen)

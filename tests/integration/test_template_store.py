@@ -54,7 +54,7 @@ def test_names_are_unique_per_tenant_and_validated(store, tenant):
     assert store.create(other, "a", "y", [2], 0, "").token_ids == [2]  # another tenant's namespace
     assert store.get(tenant, "a").token_ids == [1]
     for bad in ("", "Upper", "-dash", "a" * 129, "sp ace", "semi;colon"):
-        with pytest.raises(ValueError, match="not allowed"):
+        with pytest.raises(ValueError, match="name: .* is not allowed"):
             store.create(tenant, bad, "x", [1], 0, "")
     with pytest.raises(ValueError, match="empty"):
         store.create(tenant, "empty", "", [], 0, "")
