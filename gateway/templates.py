@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import redis
 
+from gateway.template_scripts import TemplateScripts
+
 NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
 MAX_PAGE_SIZE = 500
 DEFAULT_PAGE_SIZE = 50
@@ -86,6 +88,7 @@ class TemplateStore:
         self.redis = client
         self.prefix = prefix
         self._page_secret: bytes | None = None
+        self._scripts = TemplateScripts(client)
 
     def _key(self, tenant: str, name: str) -> str:
         return f"{self.prefix}tpl:{tenant}:{name}"
@@ -117,17 +120,12 @@ class TemplateStore:
             "create_time": repr(time.time()),
             "cached_tokens": 0,
         }
-        key = self._key(tenant, name)
-        with self._redis() as r:
-            # HSETNX on one field makes creation atomic: a concurrent create loses.
-            if not r.hsetnx(key, "content", content):
+        with self._redis():
+            pairs = [x for item in fields.items() for x in item]
+            if not self._scripts.create(
+                keys=[self._key(tenant, name), self._index(tenant)], args=[name, ttl_seconds, *pairs]
+            ):
                 raise TemplateExists(f"template {name!r} already exists")
-            pipe = r.pipeline()
-            pipe.hset(key, mapping=fields)
-            if ttl_seconds:
-                pipe.expire(key, ttl_seconds)
-            pipe.zadd(self._index(tenant), {name: 0})
-            pipe.execute()
         return self.get(tenant, name)
 
     def get(self, tenant: str, name: str) -> Template:
@@ -136,37 +134,27 @@ class TemplateStore:
             pipe.hgetall(self._key(tenant, name))
             pipe.pttl(self._key(tenant, name))
             fields, ttl_ms = pipe.execute()
-        if not fields:
+        if b"token_ids" not in fields:  # none, or debris of an old half-written create
             raise TemplateNotFound(f"template {name!r} not found")
         return _template(tenant, name, fields, ttl_ms)
 
     def set_cached_tokens(self, tenant: str, name: str, cached_tokens: int) -> None:
-        with self._redis() as r:
-            # XX semantics: never resurrect an expired or deleted template.
-            if r.exists(self._key(tenant, name)):
-                r.hset(self._key(tenant, name), "cached_tokens", cached_tokens)
+        with self._redis():
+            self._scripts.set_if_present(keys=[self._key(tenant, name)], args=["cached_tokens", cached_tokens])
 
     def update(self, tenant: str, name: str, ttl_seconds: int | None, description: str | None) -> Template:
-        key = self._key(tenant, name)
-        with self._redis() as r:
-            if not r.exists(key):
+        if ttl_seconds is not None:
+            check_ttl(ttl_seconds)
+        ttl = "keep" if ttl_seconds is None else str(ttl_seconds)
+        with self._redis():
+            args = [ttl, description or "", "keep" if description is None else "set"]
+            if not self._scripts.update(keys=[self._key(tenant, name)], args=args):
                 raise TemplateNotFound(f"template {name!r} not found")
-            if ttl_seconds is not None:
-                check_ttl(ttl_seconds)
-                if ttl_seconds:
-                    r.expire(key, ttl_seconds)
-                else:
-                    r.persist(key)
-            if description is not None:
-                r.hset(key, "description", description)
         return self.get(tenant, name)
 
     def delete(self, tenant: str, name: str) -> None:
-        with self._redis() as r:
-            pipe = r.pipeline()
-            pipe.delete(self._key(tenant, name))
-            pipe.zrem(self._index(tenant), name)
-            deleted, _ = pipe.execute()
+        with self._redis():
+            deleted = self._scripts.delete(keys=[self._key(tenant, name), self._index(tenant)], args=[name])
         if not deleted:
             raise TemplateNotFound(f"template {name!r} not found")
 
@@ -221,7 +209,7 @@ class TemplateStore:
 
     def exists(self, tenant: str, name: str) -> bool:
         with self._redis() as r:
-            return bool(r.exists(self._key(tenant, name)))
+            return bool(r.hexists(self._key(tenant, name), "token_ids"))
 
     def ping(self) -> None:
         with self._redis() as r:
@@ -247,7 +235,7 @@ class TemplateStore:
         with self._redis() as r:
             pipe = r.pipeline()
             for member in members:
-                pipe.exists(self._key(*split_warm_member(member)))
+                pipe.hexists(self._key(*split_warm_member(member)), "token_ids")
             return [bool(n) for n in pipe.execute()]
 
     def _redis(self):
