@@ -162,9 +162,13 @@ def event_to_pb(event: BlockEvent) -> pb.BlockEvent:
     return pb.BlockEvent(all_cleared=pb.AllCleared())
 
 
-def build_server(daemon: Daemon, metrics: DaemonMetrics | None, max_workers: int = 32) -> grpc.Server:
+def build_server(
+    daemon: Daemon, metrics: DaemonMetrics | None, max_workers: int = 32, interceptors: tuple = ()
+) -> grpc.Server:
     """A gRPC server with the daemon, health and reflection services (no port yet)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvd-rpc"))
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvd-rpc"), interceptors=interceptors
+    )
     pb_grpc.add_KVDaemonServicer_to_server(KVDaemonService(daemon, metrics), server)
     health_servicer = health.HealthServicer()
     for name in ("", SERVICE_NAME):

@@ -209,7 +209,7 @@ def start_daemon(args: list[str], workdir: str) -> DaemonProcess:
         shm_dir=shm_dir,
         metrics_port=metrics_port,
     )
-    serving_or_killed(daemon, "daemon", 20)
+    serving_or_killed(daemon, "daemon", 60)  # generous: the test machines are shared
     return daemon
 
 
