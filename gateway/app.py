@@ -15,6 +15,7 @@ from gateway import redis_conn
 from gateway.auth import Authenticator, FileKeys, KeyStore, RedisKeys
 from gateway.endpoints import check_endpoint
 from gateway.keeper import TemplateKeeper
+from gateway.limits import TenantLimits
 from gateway.replicas import ReplicaPool
 from gateway.router import Router, RouterConfig
 from gateway.service import GatewayService
@@ -57,6 +58,7 @@ class GatewaySettings:
     routing: RouterConfig = field(default_factory=RouterConfig)
     health_interval_s: float = 0.5
     dns_interval_s: float = 5.0
+    limits: TenantLimits = field(default_factory=TenantLimits)
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -97,7 +99,7 @@ class GatewayApp:
         self.health = health.HealthServicer()
         self.keeper = TemplateKeeper(self.store, self.pool, settings.keeper_interval_s)
         pb_grpc.add_GatewayServicer_to_server(
-            GatewayService(self.store, self.pool, self.keeper, self.auth), self.server
+            GatewayService(self.store, self.pool, self.keeper, self.auth, settings.limits), self.server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(

@@ -25,6 +25,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from gateway.auth import SCOPE_GENERATE, SCOPE_TEMPLATES_WRITE, Authenticator, tenant_salt
 from gateway.engine_link import engine_error, remaining_s
 from gateway.keeper import TemplateKeeper
+from gateway.limits import LimitExceeded, RequestSlots, TenantLimits
 from gateway.replicas import ReplicaPool
 from gateway.router import NoReplica, RouteKey
 from gateway.templates import (
@@ -53,6 +54,7 @@ _STATUS_BY_ERROR: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (TemplateExists, grpc.StatusCode.ALREADY_EXISTS),
     (StoreUnavailable, grpc.StatusCode.UNAVAILABLE),
     (NoReplica, grpc.StatusCode.UNAVAILABLE),
+    (LimitExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
 )
 
@@ -69,12 +71,21 @@ def _unary(method):
 
 
 class GatewayService(pb_grpc.GatewayServicer):
-    def __init__(self, store: TemplateStore, pool: ReplicaPool, keeper: TemplateKeeper, auth: Authenticator) -> None:
+    def __init__(
+        self,
+        store: TemplateStore,
+        pool: ReplicaPool,
+        keeper: TemplateKeeper,
+        auth: Authenticator,
+        limits: TenantLimits | None = None,
+    ) -> None:
         self.store = store
         self.pool = pool
         self.router = pool.router
         self.keeper = keeper
         self.auth = auth
+        self.limits = limits or TenantLimits()
+        self.slots = RequestSlots(self.limits.max_concurrent_requests)
 
     @contextlib.contextmanager
     def _statuses(self, context):
@@ -91,13 +102,13 @@ class GatewayService(pb_grpc.GatewayServicer):
     def Generate(self, request, context):
         principal = self.auth.authorize(context, SCOPE_GENERATE)
         engine_request, template_tokens, key = self._engine_request(principal.tenant, request, context)
-        yield from self._relay(engine_request, template_tokens, key, context)
+        yield from self._relay(principal.tenant, engine_request, template_tokens, key, context)
 
     def Complete(self, request, context):
         principal = self.auth.authorize(context, SCOPE_GENERATE)
         engine_request, template_tokens, key = self._engine_request(principal.tenant, request, context)
         whole = pb.GenerateResponse()
-        for message in self._relay(engine_request, template_tokens, key, context):
+        for message in self._relay(principal.tenant, engine_request, template_tokens, key, context):
             whole.token_ids.extend(message.token_ids)
             whole.text += message.text
             whole.logprobs.extend(message.logprobs)
@@ -146,14 +157,24 @@ class GatewayService(pb_grpc.GatewayServicer):
             return self.pool.any_serving().tokenize(epb.TokenizeRequest(text=request.text))
         return []
 
-    def _relay(self, engine_request: epb.GenerateRequest, template_tokens: int, key: RouteKey, context) -> Iterator:
+    def _relay(
+        self, tenant: str, engine_request: epb.GenerateRequest, template_tokens: int, key: RouteKey, context
+    ) -> Iterator:
         try:
             address = self.router.choose(key)
+            self.slots.take(tenant)
         except NoReplica as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except LimitExceeded as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         link = self.pool.link(address)
         self.router.started(address)
-        finished = _Once(lambda: self.router.finished(address))
+
+        def done() -> None:
+            self.router.finished(address)
+            self.slots.give_back(tenant)
+
+        finished = _Once(done)
         context.add_callback(finished)  # a cancelled stream may never resume this generator
         call = link.stub.Generate(engine_request, timeout=remaining_s(context))
         # A client that cancels (or whose deadline passes) cancels the engine's
@@ -187,9 +208,11 @@ class GatewayService(pb_grpc.GatewayServicer):
                 f"content is {len(token_ids)} tokens; the model's context of {max_context} tokens "
                 "leaves no room for a prompt"
             )
+        pin_blocks = len(token_ids) // engine.model_info().block_size
         template = self.store.create(
-            tenant, request.name, request.content, token_ids, request.ttl_seconds, request.description
-        )
+            tenant, request.name, request.content, token_ids, request.ttl_seconds, request.description,
+            self.limits, pin_blocks,
+        )  # fmt: skip
         try:
             self.keeper.warm(template, timeout_s=remaining_s(context, WARM_TIMEOUT_S))
         except (grpc.RpcError, NoReplica):

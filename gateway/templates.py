@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import redis
 
+from gateway.limits import LimitExceeded, TenantLimits
 from gateway.template_scripts import TemplateScripts
 
 NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
@@ -101,31 +102,49 @@ class TemplateStore:
         return f"{self.prefix}tpl-warm"
 
     def create(
-        self, tenant: str, name: str, content: str, token_ids: Sequence[int], ttl_seconds: int, description: str
+        self,
+        tenant: str,
+        name: str,
+        content: str,
+        token_ids: Sequence[int],
+        ttl_seconds: int,
+        description: str,
+        limits: TenantLimits | None = None,
+        pin_blocks: int = 0,
     ) -> Template:
-        """Stores a new template.
+        """Stores a new template (``pin_blocks``: the blocks it will pin).
 
         Raises:
             ValueError: a bad name, empty content or a negative TTL.
             TemplateExists: the tenant already has this name.
+            LimitExceeded: past the tenant's template or pinned-block limit.
         """
         check_name(name)
         check_ttl(ttl_seconds)
         if not content or not token_ids:
             raise ValueError("template content must not be empty")
+        limits = limits or TenantLimits()
         fields = {
             "content": content,
             "token_ids": array("I", token_ids).tobytes(),
             "description": description,
             "create_time": repr(time.time()),
             "cached_tokens": 0,
+            "pin_blocks": pin_blocks,
         }
+        pairs = [x for item in fields.items() for x in item]
+        args = [name, ttl_seconds, limits.max_templates, limits.max_pinned_blocks, pin_blocks, self._key(tenant, "")]
         with self._redis():
-            pairs = [x for item in fields.items() for x in item]
-            if not self._scripts.create(
-                keys=[self._key(tenant, name), self._index(tenant)], args=[name, ttl_seconds, *pairs]
-            ):
-                raise TemplateExists(f"template {name!r} already exists")
+            created = self._scripts.create(keys=[self._key(tenant, name), self._index(tenant)], args=[*args, *pairs])
+        if created == 0:
+            raise TemplateExists(f"template {name!r} already exists")
+        if created == -1:
+            raise LimitExceeded(f"max_templates: tenant {tenant!r} has {limits.max_templates} templates (the limit)")
+        if created == -2:
+            raise LimitExceeded(
+                f"max_pinned_blocks: this template's {pin_blocks} blocks would take tenant {tenant!r} past its "
+                f"limit of {limits.max_pinned_blocks} pinned blocks"
+            )
         return self.get(tenant, name)
 
     def get(self, tenant: str, name: str) -> Template:

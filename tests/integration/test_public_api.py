@@ -23,7 +23,7 @@ from gateway.client import GatewayClient
 from kvd_api.engine.v1 import engine_pb2 as epb
 from kvd_api.gateway.v1 import gateway_pb2 as pb
 from kvd_api.gateway.v1 import gateway_pb2_grpc as pb_grpc
-from tests.conftest import start_daemon, start_engine, start_gateway
+from tests.conftest import start_daemon, start_engine, start_gateway, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 NODE_CLIENT = ROOT / "tests" / "clients" / "node"
@@ -186,3 +186,83 @@ def test_page_tokens_are_the_listings_own(stub):
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert set(names) <= set(seen)
     assert seen == sorted(seen)
+
+
+# --------------------------------------------------------------- limits
+
+LIMIT_KEYS = {"alpha-key": "alpha", "beta-key": "beta"}
+
+
+@pytest.fixture(scope="module")
+def limited(stack, model_dir):
+    """A second gateway on the same engine, two tenants, small per-tenant limits."""
+    folder = tempfile.mkdtemp(prefix="kvd-lim-", dir="/tmp")
+    keys = [{"key": k, "tenant": t, "scopes": ["generate", "templates:write"]} for k, t in LIMIT_KEYS.items()]
+    Path(folder, "keys.json").write_text(json.dumps({"keys": keys}))
+    prefix = f"kvd-test-{secrets.token_hex(4)}:"
+    args = ["--redis-url", "redis://127.0.0.1:6379/0", "--redis-prefix", prefix, "--api-keys", f"{folder}/keys.json",
+            "--max-concurrent-requests", "2", "--max-templates", "2", "--max-pinned-blocks", "3"]  # fmt: skip
+    gateway = start_gateway(_engine_of(stack), args, folder)
+    yield gateway
+    gateway.stop()
+    server = redis.Redis(host="127.0.0.1", port=6379)
+    for key in server.scan_iter(f"{prefix}*"):
+        server.delete(key)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _engine_of(gateway) -> str:
+    return gateway.process.args[gateway.process.args.index("--engines") + 1]
+
+
+def _client(gateway, tenant_key: str) -> GatewayClient:
+    return GatewayClient(gateway.address, api_key=tenant_key, timeout_s=120)
+
+
+def _exhausted(call) -> str:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
+    return info.value.details()
+
+
+def test_concurrent_requests_per_tenant(limited):
+    with _client(limited, "alpha-key") as alpha, _client(limited, "beta-key") as beta:
+        streams = [alpha.generate("Count: one, two,", max_new_tokens=400, ignore_eos=True) for _ in range(2)]
+        try:
+            for stream in streams:
+                next(stream)  # both run
+            assert "max_concurrent_requests" in _exhausted(lambda: alpha.complete("Hi", max_new_tokens=1))
+            assert len(beta.complete("Hi", max_new_tokens=1).token_ids) == 1  # another tenant is not held up
+        finally:
+            for stream in streams:
+                stream.cancel()
+        # Cancelled requests give their slots back.
+        assert wait_for(lambda: _completes(alpha), timeout_s=20)
+
+
+def _completes(client: GatewayClient) -> bool:
+    try:
+        return len(client.complete("Hi", max_new_tokens=1).token_ids) == 1
+    except grpc.RpcError as err:
+        if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            raise
+        return False
+
+
+def test_templates_and_pinned_blocks_per_tenant(limited):
+    two_blocks = "You answer briefly and politely, in plain English, about anvils. " * 2 + "Always be kind."  # 34
+    with _client(limited, "alpha-key") as alpha, _client(limited, "beta-key") as beta:
+        first = alpha.create_template("first", two_blocks)
+        assert 32 <= first.token_count < 48
+        # 2 pinned + 2 more > 3: the pinned-block limit, named.
+        assert "max_pinned_blocks" in _exhausted(lambda: alpha.create_template("second", two_blocks))
+        alpha.create_template("small", "Be brief.")  # no full block: pins nothing
+        assert "max_templates" in _exhausted(lambda: alpha.create_template("third", "Be kind."))
+        # The other tenant's own limits are untouched.
+        beta.create_template("first", two_blocks)
+        alpha.delete_template("small")
+        alpha.create_template("third", "Be kind.")
+        for name in ("first", "third"):
+            alpha.delete_template(name)
+        beta.delete_template("first")
