@@ -55,6 +55,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--duration-s", type=float, help="default 300; quick 30")
     p.add_argument("--clients", type=int, help="concurrent streaming clients (default 64; quick 16)")
     p.add_argument("--max-new-tokens", type=int, default=16, help="the most tokens a request asks for")
+    p.add_argument("--workdir", help="keep the processes' logs here (default: a temporary folder)")
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--model", default="smollm2")
     return p.parse_args(argv)
@@ -228,8 +229,12 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="kvd-load-", dir="/tmp") as workdir:
-        data = run(args, Path(workdir))
+    if args.workdir:  # keeps the processes' logs
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
+        data = run(args, Path(args.workdir))
+    else:
+        with tempfile.TemporaryDirectory(prefix="kvd-load-", dir="/tmp") as workdir:
+            data = run(args, Path(workdir))
     common.write_json(args.json, data)
     soak = data["results"]["soak"]
     rows = [

@@ -178,8 +178,11 @@ class GatewayService(pb_grpc.GatewayServicer):
         context.add_callback(finished)  # a cancelled stream may never resume this generator
         call = link.stub.Generate(engine_request, timeout=remaining_s(context))
         # A client that cancels (or whose deadline passes) cancels the engine's
-        # request, which frees its blocks.
-        context.add_callback(call.cancel)
+        # request, which frees its blocks. NOTE: a call the client abandoned
+        # before a worker thread took it up is already over: add_callback
+        # refuses the callback then, and the engine's request is cancelled here.
+        if not context.add_callback(call.cancel):
+            call.cancel()
         try:
             for message in call:
                 yield _response(message, template_tokens)
@@ -192,6 +195,7 @@ class GatewayService(pb_grpc.GatewayServicer):
             if context.is_active():
                 context.abort(*link.error(err))
         finally:
+            call.cancel()  # the stream was closed early (its client left): stop the engine's request
             finished()
 
     # ----------------------------------------------------------- templates
