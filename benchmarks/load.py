@@ -125,10 +125,21 @@ def client_loop(n: int, address: str, keys: dict[str, str], args, stop: threadin
         one_request(address, keys[tenant], template, rng, args.max_new_tokens, tally)
 
 
-def rss_mb(pids: dict[str, int]) -> dict[str, float]:
+def memory_mb(pids: dict[str, int]) -> dict[str, dict[str, float]]:
+    """Resident and unique memory of each process, in MiB.
+
+    NOTE: RSS counts the pages of the shared-memory KV cache a process has
+    touched so far (the daemon and the engine map it), and the daemon's host
+    tier as it fills: both grow with first use, not with leaks. USS (pages
+    only this process maps) leaves the shared cache out.
+    """
     import psutil
 
-    return {name: psutil.Process(pid).memory_info().rss / 2**20 for name, pid in pids.items()}
+    out = {}
+    for name, pid in pids.items():
+        info = psutil.Process(pid).memory_full_info()
+        out[name] = {"rss": info.rss / 2**20, "uss": info.uss / 2**20}
+    return out
 
 
 def held_blocks(daemon_address: str) -> dict[str, int]:
@@ -186,7 +197,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         while (elapsed := time.perf_counter() - start) < duration:
             time.sleep(1.0)
             if rss_warm is None and elapsed >= warmup:
-                rss_warm = rss_mb(pids)
+                rss_warm = memory_mb(pids)
             progress.advance()
         stop.set()
         for thread in threads:
@@ -194,7 +205,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         wall = time.perf_counter() - start
         progress.done(f"{sum(tally.statuses.values())} requests")
         held = held_blocks(kvd.address)
-        rss_end = rss_mb(pids)
+        rss_end = memory_mb(pids)
     rss_warm = rss_warm or rss_end
     errors = {code: n for code, n in tally.statuses.items() if code != "OK"}
     soak = {
@@ -208,9 +219,10 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "ttft_p99_s": common.percentile(tally.ttfts, 99) if tally.ttfts else None,
         "output_tokens_per_s": tally.output_tokens / wall,
         "blocks_held_after": held,
-        "rss_warm_mb": rss_warm,
-        "rss_end_mb": rss_end,
-        "rss_growth_ratio": {name: rss_end[name] / rss_warm[name] - 1 for name in rss_end},
+        "memory_warm_mb": rss_warm,
+        "memory_end_mb": rss_end,
+        "rss_growth_ratio": {name: rss_end[name]["rss"] / rss_warm[name]["rss"] - 1 for name in rss_end},
+        "uss_growth_ratio": {name: rss_end[name]["uss"] / rss_warm[name]["uss"] - 1 for name in rss_end},
     }
     return {
         "benchmark": "load",
@@ -244,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         ["output tokens/s", soak["output_tokens_per_s"]],
         ["blocks held after", json.dumps(soak["blocks_held_after"])],
         ["RSS growth after warm-up", json.dumps(common.rounded(soak["rss_growth_ratio"], 3))],
+        ["USS growth after warm-up", json.dumps(common.rounded(soak["uss_growth_ratio"], 3))],
     ]
     print(common.format_table(["soak", "value"], rows))
     held = soak["blocks_held_after"]
