@@ -26,6 +26,7 @@ class EngineSettings:
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on GPU
     device: str = "auto"
     kvd_address: str = ""
+    kvd_token: str | None = None  # what the daemon's TCP listener needs
     listen: str = "127.0.0.1:50052"
     token_budget: int = 512
     max_num_seqs: int = 64
@@ -92,7 +93,7 @@ class EngineApp:
         self.engine.stop()
 
     def _attach(self) -> DaemonSession:
-        client = DaemonClient.connect(self.settings.kvd_address, timeout_s=2.0)
+        client = DaemonClient.connect(self.settings.kvd_address, timeout_s=2.0, token=self.settings.kvd_token)
         try:
             session = client.attach(f"engine:{self.info.name}", self.layout)
         except Exception:

@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 
 from kvd import logs
+from kvd.auth import read_token
 from kvd.cli import default_socket, env_default, refuse_retired_variables
 
 log = logging.getLogger("inference")
@@ -51,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--kvd-address",
         default=env_default("KVD_ADDRESS", f"unix:{default_socket()}"),
         help="the daemon: unix:PATH or HOST:PORT (KVD_ADDRESS)",
+    )
+    p.add_argument(
+        "--kvd-token-file",
+        default=env_default("KVD_TOKEN_FILE", ""),
+        help="a file with the token of the daemon's TCP listener (KVD_TOKEN_FILE)",
     )
     p.add_argument(
         "--listen", default=env_default("KVD_ENGINE_ADDR", "127.0.0.1:50052"), help="gRPC address (KVD_ENGINE_ADDR)"
@@ -99,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             dtype=args.dtype or None,
             device=args.device,
             kvd_address=args.kvd_address,
+            kvd_token=read_token(args.kvd_token_file, "daemon token") if args.kvd_token_file else None,
             listen=args.listen,
             token_budget=args.token_budget,
             max_num_seqs=args.max_num_seqs,

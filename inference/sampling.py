@@ -53,7 +53,7 @@ class SamplingParams:
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
         if any(not s for s in self.stop):
-            raise ValueError("stop strings must not be empty")
+            raise ValueError("stop must not contain an empty string")
 
     @property
     def greedy(self) -> bool:
