@@ -261,7 +261,8 @@ class ModelRunner:
         return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
 
     def _prepare(self, chunks: list[Chunk]):
-        inputs = build_step_inputs(chunks, self.block_size, self.table_rows.table, self.table_rows.assign(chunks))
+        rows = self.table_rows.assign(chunks)  # first: it may grow the table
+        inputs = build_step_inputs(chunks, self.block_size, self.table_rows.table, rows)
         kv_heads = self.kv_cache.shape[4]
         splits = (
             choose_splits(inputs.num_seqs, inputs.max_query_len, inputs.max_seq_len, kv_heads, self._num_sms)
