@@ -198,7 +198,7 @@ def paged_attention(
         part_stats = torch.empty(splits, tokens, heads, 2, dtype=torch.float32, device=query.device)
     else:  # unused: any tensor with the right number of strides
         part_acc = part_stats = out
-    precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    precision = "tf32" if query.dtype in (torch.float16, torch.bfloat16) else "ieee"  # tf32: unused for 16-bit inputs
     grid = (shape.num_seqs, triton.cdiv(shape.max_query_len, block_q), kv_heads * splits)
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, out, part_acc, part_stats,
