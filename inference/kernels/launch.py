@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-#: The kernels page with block sizes that are multiples of this (a tile never straddles two blocks).
+#: The block sizes the kernels are tested with are multiples of this (a tile of
+#: positions may span blocks: each position looks its block up).
 BLOCK_MULTIPLE = 16
 
 

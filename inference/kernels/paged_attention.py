@@ -7,8 +7,8 @@ read once for all of them::
 
     tile row r:  query q_tile * BLOCK_Q + r // GROUP,  head kv_head * GROUP + r % GROUP
 
-It walks the sequence's blocks through its block-table row in tiles of
-``BLOCK_N`` positions (a divisor of the block size: one block id per tile),
+It walks the sequence's positions in tiles of ``BLOCK_N`` (64, whatever the
+block size: each position finds its block through the block-table row),
 up to the last position its queries see (causal: a chunk's queries are the
 last ``q_len`` of ``seq_len`` positions), with an online softmax in float32.
 With ``splits > 1`` the positions are cut into that many ranges whose
@@ -92,11 +92,12 @@ def _paged_attention_kernel(
     offsets = tl.arange(0, BLOCK_N)
 
     for start in range(lo, hi, BLOCK_N):
-        block = tl.load(block_table + seq * stride_table + start // BLOCK_SIZE).to(tl.int64)
         pos = start + offsets
-        in_block = (start % BLOCK_SIZE + offsets).to(tl.int64)
+        blocks = tl.load(block_table + seq * stride_table + pos // BLOCK_SIZE, mask=pos < hi, other=0)
+        blocks = blocks.to(tl.int64)[:, None]
+        in_block = (pos % BLOCK_SIZE).to(tl.int64)[:, None]
         kv_mask = (pos < hi)[:, None] & dim_valid[None, :]
-        k_ptrs = k_cache + block * stride_kb + in_block[:, None] * stride_kt + kv_head * stride_kh
+        k_ptrs = k_cache + blocks * stride_kb + in_block * stride_kt + kv_head * stride_kh
         keys = tl.load(k_ptrs + dims[None, :] * stride_kd, mask=kv_mask, other=0.0)
         scores = tl.dot(queries, tl.trans(keys), input_precision=PRECISION) * scale
         if SOFTCAP:
@@ -110,7 +111,7 @@ def _paged_attention_kernel(
         probs = tl.exp2(scores - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(probs, 1)
-        v_ptrs = v_cache + block * stride_vb + in_block[:, None] * stride_vt + kv_head * stride_vh
+        v_ptrs = v_cache + blocks * stride_vb + in_block * stride_vt + kv_head * stride_vh
         values = tl.load(v_ptrs + dims[None, :] * stride_vd, mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(probs.to(values.dtype), values, input_precision=PRECISION)
         m_i = m_new
@@ -188,7 +189,7 @@ def paged_attention(
     group = heads // kv_heads
     block_m = max(16 if shape.max_query_len == 1 else 64, triton.next_power_of_2(group))
     block_q = block_m // group
-    block_n = next(n for n in (64, 32, 16) if block_size % n == 0)
+    block_n = 64
     block_d = max(16, triton.next_power_of_2(head_dim))
     splits = shape.num_splits
     if out is None:

@@ -20,12 +20,12 @@ BLOCK = 16
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3}
 
 
-def make_case(lens, kv_heads, group, head_dim, dtype, seed):
+def make_case(lens, kv_heads, group, head_dim, dtype, seed, block=BLOCK):
     """A cache with shuffled blocks and, per sequence, (q_len, seq_len)."""
     gen = torch.Generator().manual_seed(seed)
-    widths = [-(-seq_len // BLOCK) for _, seq_len in lens]
+    widths = [-(-seq_len // block) for _, seq_len in lens]
     num_blocks = sum(widths) + 3
-    cache = torch.randn(num_blocks, 2, 2, BLOCK, kv_heads, head_dim, generator=gen).to(dtype)
+    cache = torch.randn(num_blocks, 2, 2, block, kv_heads, head_dim, generator=gen).to(dtype)
     order = torch.randperm(num_blocks, generator=gen).to(torch.int32)
     table = torch.zeros(len(lens), max(widths), dtype=torch.int32)
     used = 0
@@ -41,11 +41,11 @@ def make_case(lens, kv_heads, group, head_dim, dtype, seed):
 
 def dense_reference(query, layer_k, layer_v, table, query_start, seq_lens, scale, softcap=None, window=None):
     """softmax(scale * QK^T (+ cap, window, causal mask)) V per sequence, in float64."""
-    heads, kv_heads = query.shape[1], layer_k.shape[2]
+    heads, block, kv_heads = query.shape[1], layer_k.shape[1], layer_k.shape[2]
     out = []
     for row, seq_len in enumerate(seq_lens.tolist()):
         start, end = query_start[row].item(), query_start[row + 1].item()
-        blocks = table[row, : -(-seq_len // BLOCK)].long()
+        blocks = table[row, : -(-seq_len // block)].long()
         k, v = (
             c[blocks].flatten(0, 1)[:seq_len].double().repeat_interleave(heads // kv_heads, 1)
             for c in (layer_k, layer_v)
@@ -90,9 +90,19 @@ def test_paged_attention_matches_dense(case, dtype, kv_heads, group, head_dim):
     assert relative_error(out, ref) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("block", [32, 48])
+def test_other_block_sizes(block):
+    lens = [(1, block - 1), (1, block + 1), (6, 2 * block + 5)]  # tiles of 64 positions span blocks
+    cache, table, query_start, seq_lens, query = make_case(lens, 2, 4, 64, torch.float32, seed=block, block=block)
+    layer_k, layer_v = cache[:, 1, 0], cache[:, 1, 1]
+    out = paged_attention(query, layer_k, layer_v, table, query_start, seq_lens, LaunchShape(3, 6))
+    ref = dense_reference(query, layer_k, layer_v, table, query_start, seq_lens, 64**-0.5)
+    assert relative_error(out, ref) < 1e-5
+
+
 @pytest.mark.parametrize("splits", [2, 3])
 def test_split_kv_merges_to_the_same_result(splits):
-    lens = [(1, 64), (1, 17), (1, 1)]  # a split may get no positions at all
+    lens = [(1, 200), (1, 17), (1, 1)]  # 4, 1 and 1 tiles of 64: a split may get no positions at all
     cache, table, query_start, seq_lens, query = make_case(lens, 2, 4, 64, torch.float32, seed=7)
     layer_k, layer_v = cache[:, 0, 0], cache[:, 0, 1]
     out = paged_attention(query, layer_k, layer_v, table, query_start, seq_lens, LaunchShape(3, 1, splits))
