@@ -150,3 +150,13 @@ def test_store_kv_writes_slots_through_the_cache_strides(dtype):
             expected[slot // BLOCK, 1, 0, slot % BLOCK] = key[0, :, token]
             expected[slot // BLOCK, 1, 1, slot % BLOCK] = value[0, :, token]
     assert torch.equal(cache, expected)  # the written slots, and nothing else
+
+
+def test_the_triton_backend_is_the_gpu_default_and_says_what_block_sizes_it_needs():
+    from inference import attention
+
+    assert attention.choose_backend("auto", "cpu") == "torch"
+    with pytest.raises(ValueError, match="triton"):
+        attention.choose_backend("triton", "cpu")
+    assert attention.block_size_fits("triton", 48) and not attention.block_size_fits("triton", 8)
+    assert "multiple of 16" in attention.block_size_message("triton", 8)
