@@ -34,8 +34,9 @@ class EngineSettings:
     prefix_caching: bool = True
 
     def __post_init__(self) -> None:
-        if self.attention_backend not in ("auto", "torch", "flash-attn"):
-            raise ValueError(f"attention_backend must be auto, torch or flash-attn, got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", *attention.BACKENDS):
+            choices = ", ".join(("auto", *attention.BACKENDS))
+            raise ValueError(f"attention_backend must be one of {choices}, got {self.attention_backend!r}")
         if not self.kvd_address:
             raise ValueError("kvd_address must be set (unix:PATH or HOST:PORT)")
 

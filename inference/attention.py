@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from inference.kernels.launch import BLOCK_MULTIPLE, LaunchShape
+
 
 @dataclass(frozen=True, slots=True)
 class LayerAttention:
@@ -81,12 +83,36 @@ class DecodeBatch:
     own_mask: torch.Tensor
 
 
+@dataclass(frozen=True)
+class StepTensors:
+    """A step's padded inputs on the model's device (views of one copy).
+
+    Attributes:
+        slot_mapping: ``[tokens]`` int32, each token's cache slot
+            (``block * block_size + offset``), -1: do not write.
+        query_start: ``[seqs + 1]`` int32, where each sequence's tokens start.
+        seq_lens: ``[seqs]`` int32, each sequence's positions after the step.
+        block_table: ``[seqs, width]`` int32, each sequence's blocks.
+        launch: the host-side sizes a kernel launch needs (known before the forward).
+    """
+
+    slot_mapping: torch.Tensor
+    query_start: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    launch: LaunchShape
+
+
 @dataclass
 class AttentionMetadata:
     """Everything one step's attention needs beyond Q, K and V.
 
+    The GPU backends read ``step``; the torch backend reads the host-side
+    plan below it (lists and per-sequence tensors, cheap on the CPU).
+
     Attributes:
         kv_cache: the daemon's cache ``[blocks, layers, 2, block_size, kv_heads, head_dim]``.
+        step: the step's padded device tensors.
         query_start: per sequence, where its tokens start in the flattened
             batch (``num_seqs + 1`` entries).
         context_lens: per sequence, the tokens visible after this step
@@ -105,13 +131,14 @@ class AttentionMetadata:
     """
 
     kv_cache: torch.Tensor
+    step: StepTensors
     query_start: list[int]
     context_lens: list[int]
-    block_tables: list[torch.Tensor]
-    write_index: torch.Tensor
-    write_blocks: torch.Tensor
-    write_offsets: torch.Tensor
-    chunk_masks: list[torch.Tensor | None]
+    block_tables: list[torch.Tensor] = field(default_factory=list)
+    write_index: torch.Tensor | None = None
+    write_blocks: torch.Tensor | None = None
+    write_offsets: torch.Tensor | None = None
+    chunk_masks: list[torch.Tensor | None] = field(default_factory=list)
     decode: DecodeBatch | None = None
     looped: list[int] | None = None
     window_masks: dict = field(default_factory=dict)
@@ -341,47 +368,78 @@ def flash_paged_attention(
     attn_metadata: AttentionMetadata | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """flash-attn's paged varlen kernel (GPU; block sizes multiple of 256)."""
+    """flash-attn's paged varlen kernel (GPU; block sizes multiple of 256); K/V
+    stored by the Triton kernel."""
     from flash_attn import flash_attn_varlen_func
 
-    meta = attn_metadata
-    layer_k, layer_v = store_new_kv(module.layer_idx, key, value, meta)
+    from inference.kernels.kv_store import store_kv
+
+    step = attn_metadata.step
+    layer_k = attn_metadata.kv_cache[:, module.layer_idx, 0]
+    layer_v = attn_metadata.kv_cache[:, module.layer_idx, 1]
+    store_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), layer_k, layer_v, step.slot_mapping)
+    seq_lens = step.seq_lens
     layer = LayerAttention.of_call(query.shape[-1], scaling, kwargs)
-    device = query.device
-    lengths = [end - start for start, end in zip(meta.query_start, meta.query_start[1:], strict=False)]
-    width = max(len(t) for t in meta.block_tables)
-    tables = torch.zeros(len(meta.block_tables), width, dtype=torch.int32, device=device)
-    for i, table in enumerate(meta.block_tables):
-        tables[i, : len(table)] = table
     out = flash_attn_varlen_func(
         query[0].transpose(0, 1),
         layer_k,
         layer_v,
-        cu_seqlens_q=torch.tensor(meta.query_start, dtype=torch.int32, device=device),
-        cu_seqlens_k=torch.tensor([0, *_cumsum(meta.context_lens)], dtype=torch.int32, device=device),
-        max_seqlen_q=max(lengths),
-        max_seqlen_k=max(meta.context_lens),
+        cu_seqlens_q=step.query_start,
+        cu_seqlens_k=torch.nn.functional.pad(seq_lens.cumsum(0, dtype=torch.int32), (1, 0)),
+        max_seqlen_q=step.launch.max_query_len,
+        max_seqlen_k=step.block_table.shape[1] * layer_k.shape[1],
         softmax_scale=layer.scale,
         causal=True,  # bottom-right aligned in flash-attn >= 2.1
         # A query sees itself and the window - 1 keys before it.
         window_size=(layer.window - 1, 0) if layer.window else (-1, -1),
         softcap=layer.softcap or 0.0,
-        block_table=tables,
+        block_table=step.block_table,
     )
     return out.unsqueeze(0), None
 
 
-def _cumsum(values: list[int]) -> list[int]:
-    total, out = 0, []
-    for value in values:
-        total += value
-        out.append(total)
-    return out
+def triton_paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    attn_metadata: AttentionMetadata | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The GPU default: Triton kernels, two launches a layer (store, attend)
+    over the step's padded tensors; no host work, no sync.
+
+    ``sliding_window`` and ``softcap`` are what the modeling code of models
+    that have them passes (a layer's window, Gemma-style logit soft-capping).
+    """
+    from inference.kernels.kv_store import store_kv
+    from inference.kernels.paged_attention import paged_attention
+
+    meta = attn_metadata
+    if meta is None:
+        raise RuntimeError("paged attention needs attn_metadata; run the model through the engine's ModelRunner")
+    step = meta.step
+    layer_k = meta.kv_cache[:, module.layer_idx, 0]
+    layer_v = meta.kv_cache[:, module.layer_idx, 1]
+    store_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), layer_k, layer_v, step.slot_mapping)
+    layer = LayerAttention.of_call(query.shape[-1], scaling, {"sliding_window": sliding_window, "softcap": softcap})
+    out = paged_attention(
+        query[0].transpose(0, 1), layer_k, layer_v, step.block_table, step.query_start, step.seq_lens, step.launch,
+        scale=layer.scale, logit_softcap=layer.softcap, sliding_window=layer.window,
+    )  # fmt: skip
+    return out.unsqueeze(0), None
 
 
-BACKENDS = {"torch": "kvd_paged_torch", "flash-attn": "kvd_paged_flash"}
-#: flash-attn's paged KV path reads whole pages of this many tokens.
-FLASH_BLOCK_MULTIPLE = 256
+BACKENDS = {"torch": "kvd_paged_torch", "triton": "kvd_paged_triton", "flash-attn": "kvd_paged_flash"}
+_FUNCTIONS = {"torch": torch_paged_attention, "triton": triton_paged_attention, "flash-attn": flash_paged_attention}
+#: Each backend pages with block sizes that are multiples of this (flash-attn
+#: reads whole pages of 256 tokens; a Triton tile never straddles two blocks).
+BLOCK_MULTIPLES = {"torch": 1, "triton": BLOCK_MULTIPLE, "flash-attn": 256}
 
 
 def flash_attn_available() -> bool:
@@ -392,29 +450,41 @@ def flash_attn_available() -> bool:
     return True
 
 
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def choose_backend(requested: str, device: str) -> str:
-    """The backend to use; registers both with transformers.
+    """The backend to use (``auto``: Triton on CUDA, torch elsewhere);
+    registers them all with transformers.
 
     Raises:
-        ValueError: flash-attn asked for where it cannot run.
+        ValueError: a GPU backend asked for where it cannot run.
     """
-    AttentionInterface.register(BACKENDS["torch"], torch_paged_attention)
-    AttentionInterface.register(BACKENDS["flash-attn"], flash_paged_attention)
+    for name, function in _FUNCTIONS.items():
+        AttentionInterface.register(BACKENDS[name], function)
     on_gpu = device.startswith("cuda")
     if requested == "flash-attn" and not (on_gpu and flash_attn_available()):
         raise ValueError("--attention-backend flash-attn needs a CUDA device and the flash-attn package")
+    if requested == "triton" and not (on_gpu and triton_available()):
+        raise ValueError("--attention-backend triton needs a CUDA device and the triton package")
     if requested == "auto":
-        return "flash-attn" if on_gpu and flash_attn_available() else "torch"
+        return "triton" if on_gpu and triton_available() else "torch"
     return requested
 
 
 def block_size_fits(backend: str, block_size: int) -> bool:
     """Whether the backend can page with the daemon's block size (checked at attach)."""
-    return backend != "flash-attn" or block_size % FLASH_BLOCK_MULTIPLE == 0
+    return block_size % BLOCK_MULTIPLES[backend] == 0
 
 
 def block_size_message(backend: str, block_size: int) -> str:
+    multiple = BLOCK_MULTIPLES[backend]
     return (
-        f"the {backend} backend needs a block size that is a multiple of {FLASH_BLOCK_MULTIPLE}; "
-        f"the daemon uses {block_size} (start it with --block-size 256, or use --attention-backend torch)"
+        f"the {backend} backend needs a block size that is a multiple of {multiple}; "
+        f"the daemon uses {block_size} (start it with --block-size {multiple}, or use --attention-backend torch)"
     )

@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--attention-backend",
         default=env_default("KVD_ATTENTION_BACKEND", "auto"),
-        help="auto (flash-attn on GPU when installed, else torch), torch, flash-attn (KVD_ATTENTION_BACKEND)",
+        help="auto (triton on a GPU, torch elsewhere), torch, triton, flash-attn (KVD_ATTENTION_BACKEND)",
     )
     p.add_argument(
         "--no-prefix-caching",

@@ -23,6 +23,33 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvd.client import DaemonClient
 
 
+def _interpret_triton_without_cuda() -> None:
+    """Triton kernels run in Triton's interpreter on CPU tensors where there is
+    no CUDA (set before anything imports Triton)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # the dev extra is not installed; the kernel tests will say so
+        return
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patch_with_scalar_index(tensor, scope) -> None:
+        # NOTE: Triton 3.6's interpreter turns its one-element scalars into ints
+        # with int(array), which numpy >= 2.4 refuses (loops with run-time
+        # bounds fail); triton-lang/triton#9171, fixed upstream after 3.6.
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patch_with_scalar_index
+
+
+_interpret_triton_without_cuda()
+
+
 def pytest_addoption(parser):
     parser.addoption(
         "--offload-churn-s",
