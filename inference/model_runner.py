@@ -136,13 +136,16 @@ class BlockTableRows:
     steps and only grows: a step writes just the blocks a sequence gained.
 
     A sequence absent from a step (finished, preempted, waiting) gives its row
-    back; one whose table no longer extends what its row holds (re-admitted
-    after preemption) has its row rewritten.
+    back; one whose table is another list than last step's (the scheduler
+    gives a preempted sequence a new one) or no longer extends what its row
+    holds has its row rewritten.
     """
 
     def __init__(self, rows: int = 64, width: int = 64) -> None:
         self.table = np.zeros((rows, width), np.int32)
-        self._rows: dict[str, tuple[int, int]] = {}  # request id -> (row, blocks written)
+        # request id -> (row, blocks written, the table list they came from: kept
+        # alive here, so its identity tells a new table from a grown one)
+        self._rows: dict[str, tuple[int, int, list[int]]] = {}
         self._free = list(range(rows - 1, -1, -1))
         self._transient: list[int] = []  # rows of chunks without a request id, for one step
 
@@ -154,19 +157,19 @@ class BlockTableRows:
         rows = []
         for chunk in chunks:
             entry = previous.pop(chunk.request_id, None) if chunk.request_id else None
-            row, written = entry if entry is not None else (self._take_row(), 0)
+            row, written, source = entry if entry is not None else (self._take_row(), 0, None)
             blocks = chunk.block_table
-            if written > len(blocks) or (written and self.table[row, written - 1] != blocks[written - 1]):
+            if source is not blocks or written > len(blocks):
                 written = 0
             if len(blocks) > self.table.shape[1]:
                 self.table = np.pad(self.table, ((0, 0), (0, max(len(blocks), 2 * self.table.shape[1]))))
             self.table[row, written : len(blocks)] = blocks[written:]
             if chunk.request_id:
-                self._rows[chunk.request_id] = (row, len(blocks))
+                self._rows[chunk.request_id] = (row, len(blocks), blocks)
             else:
                 self._transient.append(row)
             rows.append(row)
-        self._free.extend(row for row, _ in previous.values())
+        self._free.extend(row for row, _, _ in previous.values())
         return rows
 
     def _take_row(self) -> int:
@@ -291,13 +294,16 @@ class ModelRunner:
         """The torch backend's host-side plan: per-sequence tables, the written
         rows, batched decodes, causal masks of chunks after cached positions."""
         dev, bs = self.device, self.block_size
-        slots = torch.from_numpy(inputs.slot_mapping[: inputs.num_tokens]).to(dev, torch.long)
-        written = slots >= 0
-        meta.write_index = written.nonzero().squeeze(1)
-        meta.write_blocks = slots[written] // bs
-        meta.write_offsets = slots[written] % bs
-        tables = [inputs.block_table[i, : -(-ctx // bs)].tolist() for i, ctx in enumerate(meta.context_lens)]
-        meta.block_tables = [torch.tensor(t, dtype=torch.long, device=dev) for t in tables]
+        slots = inputs.slot_mapping[: inputs.num_tokens]
+        index = np.flatnonzero(slots >= 0)
+        written = slots[index].astype(np.int64)
+        meta.write_index = torch.from_numpy(index).to(dev)
+        meta.write_blocks = torch.from_numpy(written // bs).to(dev)
+        meta.write_offsets = torch.from_numpy(written % bs).to(dev)
+        widths = [-(-ctx // bs) for ctx in meta.context_lens]
+        table = torch.from_numpy(inputs.block_table).to(dev, torch.long)
+        meta.block_tables = [table[i, :width] for i, width in enumerate(widths)]  # views of one tensor
+        tables = [row[:width] for row, width in zip(inputs.block_table.tolist(), widths, strict=False)]
         meta.decode, meta.looped = self._decode_batch(meta.query_start, meta.context_lens, tables)
         meta.chunk_masks = [
             chunk_mask(end - start, ctx, self.kv_cache)

@@ -45,9 +45,9 @@ def test_rows_persist_grow_and_are_given_back():
     rows.assign([Chunk([0], 0, a, 0, True, "a")])  # b left: its row is free again
     c = rows.assign([Chunk([0], 0, a, 0, True, "a"), Chunk([0], 0, [9, 9], 0, True, "c")])
     assert c[1] == first[1] and rows.table[c[1], :2].tolist() == [9, 9]
-    # Re-admitted after preemption: a new table that does not extend the row.
-    again = rows.assign([Chunk([0], 0, [6, 7, 8], 0, True, "a")])
-    assert rows.table[again[0], :3].tolist() == [6, 7, 8]
+    # Re-admitted after preemption: a new list, even one that agrees with the row's last block.
+    again = rows.assign([Chunk([0], 0, [6, 7, 4, 5], 0, True, "a")])
+    assert rows.table[again[0], :4].tolist() == [6, 7, 4, 5]
 
 
 def test_the_runner_copies_one_buffer_and_indexes_logits_on_the_device():
