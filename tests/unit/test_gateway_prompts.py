@@ -14,6 +14,7 @@ from gateway.service import _response
 from gateway.template_cache import TemplateCache
 from gateway.templates import Template, TemplateNotFound, TemplateStore
 from gateway.tokenizer import GatewayTokenizer
+from gateway.validation import check_create
 from inference import model_store
 from inference.service import tokenizer_files
 from kvd_api.engine.v1 import engine_pb2 as epb
@@ -104,6 +105,17 @@ def test_mismatched_template_and_prompt_forms_are_refused(tokenizer):
         template_ids(tokenizer, "text", SYSTEM)
     with pytest.raises(ValueError, match="content must not be empty"):
         template_ids(tokenizer, "", ())
+
+
+def test_create_requests_give_content_or_messages():
+    check_create(pb.CreateTemplateRequest(name="t", content="Some text."))
+    check_create(pb.CreateTemplateRequest(name="t", messages=[epb.ChatMessage(role=r, content=c) for r, c in SYSTEM]))
+    with pytest.raises(ValueError, match="^content must not be empty"):
+        check_create(pb.CreateTemplateRequest(name="t"))
+    with pytest.raises(ValueError, match="^content, messages: .*not both"):
+        check_create(pb.CreateTemplateRequest(name="t", content="x", messages=[epb.ChatMessage(role="system")]))
+    with pytest.raises(ValueError, match=r"^messages\[1\]\.role is empty"):
+        check_create(pb.CreateTemplateRequest(name="t", messages=[epb.ChatMessage(role="system"), epb.ChatMessage()]))
 
 
 def test_messages_whose_rendering_is_not_a_stable_prefix_are_refused(files):
