@@ -28,8 +28,9 @@ from kvd.layout import CacheLayout
 from kvd.memory import KVMemory
 from kvd.offload import Offload, SwapIn, TierCopier
 from kvd.pins import PinRegistry
+from kvd.scheduler import run_step
 from kvd.session import Session, SessionRegistry
-from kvd.step import StepInput, StepOutput, run_step
+from kvd_api.daemon.v1 import daemon_pb2 as pb
 
 log = logging.getLogger("kvd.daemon")
 
@@ -228,17 +229,18 @@ class Daemon:
 
     # --------------------------------------------------------------- work
 
-    def step(self, session_id: str, step: StepInput) -> StepOutput:
+    def step(self, session_id: str, msg: pb.StepRequest) -> pb.StepResponse:
         with self.lock:
-            _, manager, _ = self._ready()
-            out = run_step(manager, self.sessions.get(session_id), step)
+            pool, manager, _ = self._ready()
+            session = self.sessions.get(session_id)
+            reply = run_step(manager, session, msg, self.sessions.fair_share(session, pool.num_blocks))
             if self.copier is not None:
                 offloads, swap_ins = manager.take_copies()
                 self.copier.copy_out(offloads)
                 self.copier.copy_in(swap_ins)
-                out.copy_events = self.copier.pending_events()
+                reply.copy_events.extend(self.copier.pending_events())
             self._publish()
-            return out
+            return reply
 
     # Called by the copier's worker, under the lock.
     def _offloaded(self, offloads: Sequence[Offload]) -> None:
