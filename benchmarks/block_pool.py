@@ -10,14 +10,14 @@ Three seeded workloads (block size 16, 8 requests in flight):
 Each runs three ways, interleaved repeat by repeat (the machine is noisy):
 
     kvd_inprocess        KVCacheManager calls, each operation timed;
-    kvd_inprocess_step   run_step with one StepInput per request (what the
+    kvd_inprocess_step   run_step with one StepRequest per request (what the
                          daemon does per Step, without gRPC);
     kvd_rpc              one Step RPC per request to a kvd subprocess.
 
 Request i is one step: commit request i-1's whole prompt, free request i-8,
 admit request i (whole prompt, one chunk), so 8 requests hold blocks between
 steps. ``step_rpc_64`` then times decode Steps of 64 running requests (64
-commits of one sampled token + 64 one-token appends).
+commits of one sampled token; the daemon schedules the next token of each).
 
     .venv/bin/python benchmarks/block_pool.py --json FILE [--quick] [--plot FILE]
 """
@@ -39,8 +39,8 @@ import _common as common
 from kvd.block_pool import BlockPool
 from kvd.cache_manager import KVCacheManager
 from kvd.client import DaemonClient
+from kvd.scheduler import run_step
 from kvd.session import Session
-from kvd.step import AdmissionWork, AppendWork, CommitWork, StepInput, run_step
 from kvd_api.daemon.v1 import daemon_pb2 as pb
 
 BLOCK_SIZE = 16
@@ -170,32 +170,36 @@ def run_manager(w: Workload, label: str) -> Run:
 
 
 def run_steps_inprocess(w: Workload, label: str) -> Run:
-    """run_step with one StepInput per request: the daemon's work per Step, minus gRPC."""
+    """run_step with one StepRequest per request: the daemon's work per Step, minus gRPC."""
     manager = KVCacheManager(BlockPool(w.num_blocks), BLOCK_SIZE)
     session = Session(session_id="bench", client_name="block_pool", last_seen=0.0)
     return _drive_steps(w, label, lambda step: run_step(manager, session, step), lambda: manager.pool.num_evictions)
 
 
-def _drive_steps(w: Workload, label: str, step_fn: Callable[[StepInput], Any], evictions: Callable[[], int]) -> Run:
+def _drive_steps(
+    w: Workload, label: str, step_fn: Callable[[pb.StepRequest], pb.StepResponse], evictions: Callable[[], int]
+) -> Run:
     n = len(w.prompts)
     run = Run(op_us={"step": []})
     t_step = run.op_us["step"]
     clock = time.perf_counter_ns
     progress = common.Progress(label, n)
+    settings = pb.SessionSettings(max_num_seqs=64, token_budget=TOKEN_BUDGET)
     start = clock()
     for commit, frees, admit in schedule(n):
-        step = StepInput(
-            commits=[CommitWork(f"r{commit}", len(w.prompts[commit]))] if commit is not None else [],
-            frees=[f"r{i}" for i in frees],
-            admissions=[AdmissionWork(f"r{admit}", w.prompts[admit])] if admit is not None else [],
-            token_budget=TOKEN_BUDGET,
-        )
+        step = pb.StepRequest(finished=[f"r{i}" for i in frees], settings=settings)
+        if commit is not None:
+            step.commits.request_ids.append(f"r{commit}")
+            step.commits.num_computed_tokens.append(len(w.prompts[commit]))
+            step.commits.num_new_tokens.append(0)
+        if admit is not None:  # a warm-up: its prompt only (max_new_tokens 0)
+            step.new_requests.add(request_id=f"r{admit}", prompt_token_ids=w.prompts[admit])
         t0 = clock()
         out = step_fn(step)
         if admit is None:
             continue
         t_step.append((clock() - t0) / 1e3)
-        _account(run, w, admit, out.scheduled, out.waiting, out.preempted)
+        _account(run, w, admit, out)
         if admit % 64 == 0:
             progress.advance(64)
     run.wall_s = (clock() - start) / 1e9
@@ -205,16 +209,17 @@ def _drive_steps(w: Workload, label: str, step_fn: Callable[[StepInput], Any], e
     return run
 
 
-def _account(run: Run, w: Workload, admit: int, scheduled, waiting, preempted) -> None:
-    if waiting or preempted or len(scheduled) != 1 or not scheduled[0].admitted:
-        raise RuntimeError(f"{w.name}: request {admit} was not admitted (waiting={list(waiting)})")
-    cached = scheduled[0].num_cached_tokens
+def _account(run: Run, w: Workload, admit: int, out: pb.StepResponse) -> None:
+    s = out.scheduled
+    if out.num_waiting or out.preempted or list(s.request_ids) != [f"r{admit}"]:
+        raise RuntimeError(f"{w.name}: request {admit} was not admitted ({out.num_waiting} waiting)")
+    cached = s.num_cached_tokens[0]
     run.cached_tokens += cached
-    run.new_blocks += len(scheduled[0].new_block_ids) - cached // BLOCK_SIZE
+    run.new_blocks += s.num_new_blocks[0] - cached // BLOCK_SIZE
 
 
 def run_rpc(client: DaemonClient, w: Workload, label: str) -> Run:
-    """One Step RPC per request through the client's session (StepInput in, StepOutput out)."""
+    """One Step RPC per request through the client's session."""
     session = client.attach("block_pool-bench", map_memory=False)
     before = client.stats()
     run = _drive_steps(w, label, session.step, lambda: 0)
@@ -255,38 +260,43 @@ def summarize(runs: list[Run], requests: int) -> dict[str, Any]:
 
 
 def decode_steps(
-    step_fn: Callable[[StepInput], Any], running: int, prompt_len: int, steps: int, warmup: int, seed: int
+    step_fn: Callable[[pb.StepRequest], pb.StepResponse],
+    running: int,
+    prompt_len: int,
+    steps: int,
+    warmup: int,
+    seed: int,
 ) -> list[float]:
     """Admits ``running`` prompts, then times decode steps; returns ms per timed step.
 
     Each decode step commits every request's last sampled token
-    (``num_computed_tokens`` + 1, one new token id) and appends one token for
-    each: what an engine sends per step.
+    (``num_computed_tokens`` + 1, one new token id); the daemon schedules the
+    next token of each: what an engine sends and gets per step.
     """
     rng = random.Random(f"block_pool/decode/{seed}")
     ids = [f"d{k}" for k in range(running)]
     prompts = [random_tokens(rng, prompt_len) for _ in ids]
-    first = StepInput(
-        admissions=[AdmissionWork(r, p) for r, p in zip(ids, prompts, strict=True)],
-        token_budget=running * prompt_len,
-    )
-    if len(step_fn(first).scheduled) != running:
+    first = pb.StepRequest(settings=pb.SessionSettings(max_num_seqs=running, token_budget=running * prompt_len))
+    for r, p in zip(ids, prompts, strict=True):
+        first.new_requests.add(request_id=r, prompt_token_ids=p, max_new_tokens=warmup + steps + 2)
+    if len(step_fn(first).scheduled.request_ids) != running:
         raise RuntimeError("decode: not every request was admitted")
-    appends = [AppendWork(r, 1) for r in ids]
     times_ms = []
     for s in range(warmup + steps):
         computed = prompt_len + s
-        tokens = random_tokens(rng, running)
-        step = StepInput(
-            commits=[CommitWork(r, computed, [t]) for r, t in zip(ids, tokens, strict=True)],
-            appends=appends,
-            token_budget=running,
-        )
+        step = pb.StepRequest()
+        c = step.commits
+        c.request_ids.extend(ids)
+        c.num_computed_tokens.extend([computed] * running)
+        c.num_new_tokens.extend([1] * running)
+        c.new_token_ids.extend(random_tokens(rng, running))
         t0 = time.perf_counter()
         out = step_fn(step)
         elapsed = time.perf_counter() - t0
-        if len(out.scheduled) != running or out.preempted:
-            raise RuntimeError(f"decode step {s}: {len(out.scheduled)} scheduled, preempted {list(out.preempted)}")
+        if len(out.scheduled.request_ids) != running or out.preempted:
+            raise RuntimeError(
+                f"decode step {s}: {len(out.scheduled.request_ids)} scheduled, preempted {list(out.preempted)}"
+            )
         if s >= warmup:
             times_ms.append(elapsed * 1e3)
     return times_ms
