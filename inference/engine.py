@@ -90,6 +90,8 @@ class Engine:
             after the daemon was lost).
         eos_token_ids: tokens that end a sequence unless it ignores EOS.
         on_health: told True/False as the daemon session comes and goes.
+        make_runner: builds the runner on the mapped cache and block size
+            (default: a ``ModelRunner`` of ``model``; tests pass a fake).
     """
 
     def __init__(
@@ -100,6 +102,7 @@ class Engine:
         config: EngineConfig,
         eos_token_ids: set[int],
         on_health: Callable[[bool], None] = lambda healthy: None,
+        make_runner: Callable[[torch.Tensor, int], ModelRunner] | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -117,7 +120,9 @@ class Engine:
         self._stop = threading.Event()
         self._forward: Forward | None = None  # in flight: its results are read after the next Step
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._make_runner = make_runner or (lambda cache, block_size: ModelRunner(model, cache, block_size))
         self.steps = 0
+        self.num_preempted = 0  # requests the daemon preempted, summed over steps
         self.fatal: str | None = None  # set when the engine can never serve; the process should exit
 
     # ------------------------------------------------------------ public
@@ -184,6 +189,7 @@ class Engine:
         reply = self.session.step(msg)
         self.steps += 1
         if reply.preempted:
+            self.num_preempted += len(reply.preempted)
             log.info("preempted to make room; they will recompute", extra={"requests": list(reply.preempted)})
         work, released = self.requests.apply(reply)
         self._forward = None
@@ -299,7 +305,7 @@ class Engine:
             return False
         assert session.cache is not None
         self.session = session
-        self.runner = ModelRunner(self.model, session.cache, session.layout.block_size)
+        self.runner = self._make_runner(session.cache, session.layout.block_size)
         log.info("attached to the KV-cache daemon", extra={"session": session.session_id})
         self._on_health(True)
         return True
