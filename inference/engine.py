@@ -1,14 +1,15 @@
 """The engine's step loop: one daemon Step, one forward, one sampling pass.
 
-The loop is pipelined: the Step for step N+1 is sent while forward N runs,
-before its sampled tokens are known (the daemon gives each sampling sequence
+The loop can be pipelined (``EngineConfig.pipelined``, on by default on a
+GPU): the Step for step N+1 is sent while forward N runs, before its sampled
+tokens are known (the daemon gives each sampling sequence
 a slot for that token; forward N's commits go in the Step for N+2):
 
     Step N+1 ─► sample forward N ─► forward N+1 (its chunks' tokens filled
                                     in from those samples) ─► Step N+2 ...
 
-On a GPU the Step's round trip overlaps the forward; on the CPU the forward
-is synchronous and the order is the same. A sequence that hits EOS in
+On a GPU the Step's round trip overlaps the forward. Unpipelined, forward N's
+results are read right after it and committed in the Step for N+1. A sequence that hits EOS in
 forward N wastes at most its slot in step N+1.
 
 A single thread owns the request table, the model and the daemon session.
@@ -68,6 +69,11 @@ class EngineConfig:
     token_budget: int = 512
     reattach_interval_s: float = 0.5
     idle_poll_s: float = 0.002  # between Steps while all our requests wait (the pool is full)
+    # Send the Step for step N+1 before reading forward N's results. It pays
+    # where the forward runs asynchronously (a GPU); on the CPU the forward is
+    # done before the next Step anyway, and lagging commits would only delay
+    # the requests waiting for a shared prefix's blocks by a step.
+    pipelined: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -205,6 +211,9 @@ class Engine:
         chunks = [self._chunk(w) for w in work]
         self.session.check_lease()  # never write into blocks that may be someone else's by now
         self._forward = Forward(work, chunks, self.runner.forward(chunks))
+        if not self.config.pipelined:
+            self._forward, forward = None, self._forward
+            self._read_results(forward)
         return True
 
     @staticmethod

@@ -115,13 +115,15 @@ def daemon(workdir):
     started.stop()
 
 
-def start_engine(daemon: InProcessDaemon, name: str, max_num_seqs: int = 4, token_budget: int = 12) -> Engine:
+def start_engine(
+    daemon: InProcessDaemon, name: str, max_num_seqs: int = 4, token_budget: int = 12, pipelined: bool = True
+) -> Engine:
     client = daemon.client()
     engine = Engine(
         model=None,
         tokenizer=FakeTokenizer(),
         attach=lambda: client.attach(name, LAYOUT),
-        config=EngineConfig(max_num_seqs=max_num_seqs, token_budget=token_budget),
+        config=EngineConfig(max_num_seqs=max_num_seqs, token_budget=token_budget, pipelined=pipelined),
         eos_token_ids=set(),
         make_runner=FakeRunner,
     )
@@ -156,10 +158,11 @@ def prompts(rng: random.Random, n: int, shared: list[int]) -> list[list[int]]:
     ]
 
 
-def test_two_pipelined_engines_are_exact_under_preemption_and_share_prefixes(daemon):
+@pytest.mark.parametrize("second_pipelined", [True, False], ids=["both-pipelined", "one-pipelined"])
+def test_two_engines_are_exact_under_preemption_and_share_prefixes(daemon, second_pipelined):
     rng = random.Random(12)
     shared = [rng.randrange(VOCAB) for _ in range(12)]
-    first, second = start_engine(daemon, "e1"), start_engine(daemon, "e2")
+    first, second = start_engine(daemon, "e1"), start_engine(daemon, "e2", pipelined=second_pipelined)
     try:
         # The first engine computes the shared prefix; the second then hits it.
         warm = submit(first, shared + [1, 2], 3)
