@@ -24,6 +24,11 @@ from itertools import accumulate
 from inference.sequence import Finish, Sequence
 from kvd_api.daemon.v1 import daemon_pb2 as pb
 
+#: Prompt tokens sent in one Step at most (at least one request goes): a burst
+#: of long prompts is spread over Steps, each far below gRPC's 4 MB message
+#: limit (a token id takes at most 5 bytes on the wire).
+MAX_PROMPT_TOKENS_PER_STEP = 131_072
+
 
 @dataclass(slots=True)
 class Work:
@@ -58,6 +63,10 @@ class RequestTable:
     @property
     def has_work(self) -> bool:
         return bool(self.seqs)
+
+    @property
+    def num_unsent(self) -> int:
+        return len(self._unsent)
 
     def add(self, seq: Sequence) -> None:
         self.seqs[seq.request_id] = seq
@@ -102,7 +111,12 @@ class RequestTable:
         if self._settings_due:
             msg.settings.CopyFrom(self.settings)
             self._settings_due = False
-        for seq in self._unsent.values():
+        sent_tokens = 0
+        for seq in list(self._unsent.values()):
+            if sent_tokens and sent_tokens + len(seq.prompt_ids) > MAX_PROMPT_TOKENS_PER_STEP:
+                break  # the rest go in the next Step
+            sent_tokens += len(seq.prompt_ids)
+            del self._unsent[seq.request_id]
             msg.new_requests.add(
                 request_id=seq.request_id,
                 prompt_token_ids=seq.prompt_ids,
@@ -110,7 +124,6 @@ class RequestTable:
                 priority=seq.priority,
                 max_new_tokens=0 if seq.prefill_only else seq.params.max_new_tokens,
             )
-        self._unsent = {}
         if self._commits:
             c = msg.commits
             ids = list(self._commits)
