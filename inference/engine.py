@@ -39,7 +39,7 @@ from inference.model_runner import Chunk, ModelRunner
 from inference.requests import RequestTable, Work
 from inference.sampling import Sampler, make_generator
 from inference.sequence import Finish, Sequence
-from kvd.client import LeaseLapsed, Session
+from kvd.client import DaemonSession, LeaseLapsed
 
 log = logging.getLogger("inference.engine")
 
@@ -104,7 +104,7 @@ class Engine:
         self,
         model,
         tokenizer,
-        attach: Callable[[], Session],
+        attach: Callable[[], DaemonSession],
         config: EngineConfig,
         eos_token_ids: set[int],
         on_health: Callable[[bool], None] = lambda healthy: None,
@@ -116,7 +116,7 @@ class Engine:
         self.eos_token_ids = eos_token_ids
         self._attach = attach
         self._on_health = on_health
-        self.session: Session | None = None
+        self.session: DaemonSession | None = None
         self.runner: ModelRunner | None = None
         self.requests = RequestTable(config.max_num_seqs, config.token_budget)
         self.sampler = Sampler()

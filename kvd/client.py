@@ -39,7 +39,7 @@ class DaemonClient:
             raise ConnectionError(f"the daemon at {address} did not answer within {timeout_s}s") from None
         return cls(channel)
 
-    def attach(self, client_name: str, layout: CacheLayout | None = None, map_memory: bool = True) -> Session:
+    def attach(self, client_name: str, layout: CacheLayout | None = None, map_memory: bool = True) -> DaemonSession:
         """Opens a session; ``layout`` is the model's (its block size is the daemon's to choose).
 
         Raises:
@@ -51,7 +51,7 @@ class DaemonClient:
             request.layout.CopyFrom(wire.layout_to_pb(layout))
             request.layout.block_size = 0  # the daemon's setting
         sent_at = time.monotonic()
-        return Session(self, self.stub.Attach(request), map_memory, sent_at)
+        return DaemonSession(self, self.stub.Attach(request), map_memory, sent_at)
 
     def lookup(self, token_ids: list[int], cache_salt: bytes = b"") -> int:
         """Cached leading tokens of ``token_ids`` (block-aligned)."""
@@ -90,7 +90,7 @@ class LeaseLapsed(Exception):
     """The session's lease may have lapsed: its blocks may be someone else's."""
 
 
-class Session:
+class DaemonSession:
     """An attached session: keeps its lease alive from a background thread.
 
     Attributes:

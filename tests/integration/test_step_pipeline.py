@@ -24,7 +24,8 @@ from inference.model_runner import Chunk
 from inference.sampling import SamplingParams
 from inference.sequence import Sequence
 from kvd.client import DaemonClient
-from kvd.daemon import Daemon, DaemonConfig
+from kvd.config import DaemonConfig
+from kvd.daemon import Daemon
 from kvd.layout import CacheLayout
 from kvd.service import build_server
 from tests.conftest import wait_for
@@ -97,14 +98,14 @@ class InProcessDaemon:
         self.daemon = Daemon(config)
         self.server = build_server(self.daemon, None)
         self.address = f"unix:{folder}/kvd.sock"
-        self.server.add_insecure_port(self.address)
+        self.server.add_port(self.address)
         self.server.start()
 
     def client(self) -> DaemonClient:
         return DaemonClient.connect(self.address)
 
     def stop(self) -> None:
-        self.server.stop(grace=None).wait()
+        self.server.stop(grace_s=0)
         self.daemon.close()
 
 
@@ -162,7 +163,8 @@ def prompts(rng: random.Random, n: int, shared: list[int]) -> list[list[int]]:
 def test_two_engines_are_exact_under_preemption_and_share_prefixes(daemon, second_pipelined):
     rng = random.Random(12)
     shared = [rng.randrange(VOCAB) for _ in range(12)]
-    first, second = start_engine(daemon, "e1"), start_engine(daemon, "e2", pipelined=second_pipelined)
+    first = start_engine(daemon, "e1", max_num_seqs=6)
+    second = start_engine(daemon, "e2", max_num_seqs=6, pipelined=second_pipelined)
     try:
         # The first engine computes the shared prefix; the second then hits it.
         warm = submit(first, shared + [1, 2], 3)
@@ -171,7 +173,7 @@ def test_two_engines_are_exact_under_preemption_and_share_prefixes(daemon, secon
         assert collect(hit)[0] == reference(shared + [5], 4)
         assert hit.num_cached_prompt == 12
         # Then both flood a 40-block pool: the daemon preempts while forwards are in flight.
-        work = [(engine, p, rng.randint(4, 20)) for engine in (first, second) for p in prompts(rng, 10, shared)]
+        work = [(engine, p, rng.randint(12, 30)) for engine in (first, second) for p in prompts(rng, 10, shared)]
         seqs = [(submit(engine, p, n), p, n) for engine, p, n in work]
         for seq, prompt, n in seqs:
             assert collect(seq) == (reference(prompt, n), "finished:length"), seq.request_id
