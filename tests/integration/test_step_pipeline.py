@@ -267,3 +267,26 @@ def test_engines_step_concurrently_without_errors(daemon):
     finally:
         for engine in engines:
             engine.stop()
+
+
+def test_an_engine_never_writes_once_its_lease_may_have_lapsed(daemon):
+    engine = start_engine(daemon, "slow")
+    try:
+        seq = submit(engine, [1, 2, 3, 4, 5], 200)
+        assert wait_for(lambda: len(seq.output_ids) >= 2, 10)
+        session, runner = engine.session, engine.runner
+        real_step = session.step
+
+        def late_step(msg, timeout_s=None):
+            reply = real_step(msg, timeout_s)
+            session.renewed_at -= session.lease_s  # as if the answer had taken a whole lease
+            return reply
+
+        session.step = late_step
+        forwards = runner.forwards
+        tokens, end = collect(seq)
+        assert end == "error" and runner.forwards <= forwards + 1  # at most the forward already under way
+        assert tokens == reference([1, 2, 3, 4, 5], 200)[: len(tokens)]
+        assert wait_for(lambda: engine.session is not None and engine.session is not session, 10)  # attached again
+    finally:
+        engine.stop()
