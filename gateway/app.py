@@ -12,6 +12,7 @@ from gateway import redis_conn
 from gateway.auth import Authenticator, FileKeys, KeyStore, RedisKeys
 from gateway.endpoints import check_endpoint
 from gateway.keeper import TemplateKeeper
+from gateway.limits import TenantLimits
 from gateway.replicas import ReplicaPool
 from gateway.router import Router, RouterConfig
 from gateway.service import STATUS_BY_ERROR, GatewayService
@@ -55,6 +56,7 @@ class GatewaySettings:
     routing: RouterConfig = field(default_factory=RouterConfig)
     health_interval_s: float = 0.5
     dns_interval_s: float = 5.0
+    limits: TenantLimits = field(default_factory=TenantLimits)
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -71,7 +73,17 @@ class GatewaySettings:
 class GatewayApp:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
-        self.redis = redis_conn.connect(settings.redis_url, settings.data_dir or default_data_dir())
+        self.redis, self.embedded_redis = redis_conn.connect(
+            settings.redis_url, settings.data_dir or default_data_dir()
+        )
+        try:
+            self._build()
+        except BaseException:
+            self._stop_redis()
+            raise
+
+    def _build(self) -> None:
+        settings = self.settings
         self.store = TemplateStore(self.redis, settings.redis_prefix)
         self.pool = ReplicaPool(
             settings.engines,
@@ -82,7 +94,7 @@ class GatewayApp:
         )
         self.auth = Authenticator(self._key_store())
         self.keeper = TemplateKeeper(self.store, self.pool, settings.keeper_interval_s)
-        service = GatewayService(self.store, self.pool, self.keeper, self.auth)
+        service = GatewayService(self.store, self.pool, self.keeper, self.auth, settings.limits)
         # The gateway serves (templates, info) while at least one replica does.
         self.server = build_server(
             [(pb_grpc.add_GatewayServicer_to_server, service, SERVICE_NAME)],
@@ -128,3 +140,9 @@ class GatewayApp:
         self.keeper.stop()
         self.server.stop(grace_s=2)
         self.pool.stop()
+        self._stop_redis()
+
+    def _stop_redis(self) -> None:
+        self.redis.close()
+        if self.embedded_redis is not None:
+            self.embedded_redis.stop()

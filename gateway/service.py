@@ -21,8 +21,9 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from gateway.auth import SCOPE_GENERATE, SCOPE_TEMPLATES_WRITE, Authenticator, tenant_salt
-from gateway.engine_link import engine_error
+from gateway.engine_link import engine_error, remaining_s
 from gateway.keeper import TemplateKeeper
+from gateway.limits import LimitExceeded, RequestSlots, TenantLimits
 from gateway.replicas import ReplicaPool
 from gateway.router import NoReplica, RouteKey
 from gateway.templates import (
@@ -32,9 +33,9 @@ from gateway.templates import (
     TemplateNotFound,
     TemplateStore,
     check_name,
-    check_ttl,
     warm_member,
 )
+from gateway.validation import check_create, check_generate, check_list, check_update
 from kvd.grpc_server import StatusTable
 from kvd.hashing import chain_block_hashes, encode_extra_keys
 from kvd_api.engine.v1 import engine_pb2 as epb
@@ -44,6 +45,8 @@ from kvd_api.gateway.v1 import gateway_pb2_grpc as pb_grpc
 log = logging.getLogger("gateway.service")
 
 VERSION = "0.1.0"
+# A template's warming prefill, for a caller that set no deadline.
+WARM_TIMEOUT_S = 120.0
 
 # The gateway's exceptions and the statuses callers get for them (kvd.grpc_server).
 STATUS_BY_ERROR: StatusTable = (
@@ -52,30 +55,40 @@ STATUS_BY_ERROR: StatusTable = (
     (TemplateExists, grpc.StatusCode.ALREADY_EXISTS),
     (StoreUnavailable, grpc.StatusCode.UNAVAILABLE),
     (NoReplica, grpc.StatusCode.UNAVAILABLE),
+    (LimitExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
 )
 
 
 class GatewayService(pb_grpc.GatewayServicer):
-    def __init__(self, store: TemplateStore, pool: ReplicaPool, keeper: TemplateKeeper, auth: Authenticator) -> None:
+    def __init__(
+        self,
+        store: TemplateStore,
+        pool: ReplicaPool,
+        keeper: TemplateKeeper,
+        auth: Authenticator,
+        limits: TenantLimits | None = None,
+    ) -> None:
         self.store = store
         self.pool = pool
         self.router = pool.router
         self.keeper = keeper
         self.auth = auth
+        self.limits = limits or TenantLimits()
+        self.slots = RequestSlots(self.limits.max_concurrent_requests)
 
     # --------------------------------------------------------- generation
 
     def Generate(self, request, context):
         principal = self.auth.authorize(context, SCOPE_GENERATE)
         engine_request, template_tokens, key = self._engine_request(principal.tenant, request)
-        yield from self._relay(engine_request, template_tokens, key, context)
+        yield from self._relay(principal.tenant, engine_request, template_tokens, key, context)
 
     def Complete(self, request, context):
         principal = self.auth.authorize(context, SCOPE_GENERATE)
         engine_request, template_tokens, key = self._engine_request(principal.tenant, request)
         whole = pb.GenerateResponse()
-        for message in self._relay(engine_request, template_tokens, key, context):
+        for message in self._relay(principal.tenant, engine_request, template_tokens, key, context):
             whole.token_ids.extend(message.token_ids)
             whole.text += message.text
             whole.logprobs.extend(message.logprobs)
@@ -87,11 +100,10 @@ class GatewayService(pb_grpc.GatewayServicer):
     def _engine_request(self, tenant: str, request) -> tuple[epb.GenerateRequest, int, RouteKey]:
         """The engine's request (template tokens first), its template's token
         count, and what routes it."""
+        check_generate(request)
         out = epb.GenerateRequest(cache_salt=tenant_salt(tenant, request.cache_salt))
         out.sampling.CopyFrom(request.sampling)
         kind = request.WhichOneof("prompt")
-        if kind is None and not request.template:
-            raise ValueError("prompt: give text, chat messages or token ids")
         if request.template:
             template = self.store.get(tenant, request.template)
             out.token_ids.ids.extend(template.token_ids + self._prompt_ids(request, kind))
@@ -124,19 +136,32 @@ class GatewayService(pb_grpc.GatewayServicer):
             return self.pool.any_serving().tokenize(epb.TokenizeRequest(text=request.text))
         return []
 
-    def _relay(self, engine_request: epb.GenerateRequest, template_tokens: int, key: RouteKey, context) -> Iterator:
+    def _relay(
+        self, tenant: str, engine_request: epb.GenerateRequest, template_tokens: int, key: RouteKey, context
+    ) -> Iterator:
         try:
             address = self.router.choose(key)
+            self.slots.take(tenant)
         except NoReplica as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except LimitExceeded as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         link = self.pool.link(address)
         self.router.started(address)
-        finished = _Once(lambda: self.router.finished(address))
+
+        def done() -> None:
+            self.router.finished(address)
+            self.slots.give_back(tenant)
+
+        finished = _Once(done)
         context.add_callback(finished)  # a cancelled stream may never resume this generator
-        call = link.stub.Generate(engine_request, timeout=context.time_remaining())
+        call = link.stub.Generate(engine_request, timeout=remaining_s(context))
         # A client that cancels (or whose deadline passes) cancels the engine's
-        # request, which frees its blocks.
-        context.add_callback(call.cancel)
+        # request, which frees its blocks. NOTE: a call the client abandoned
+        # before a worker thread took it up is already over: add_callback
+        # refuses the callback then, and the engine's request is cancelled here.
+        if not context.add_callback(call.cancel):
+            call.cancel()
         try:
             for message in call:
                 yield _response(message, template_tokens)
@@ -149,16 +174,14 @@ class GatewayService(pb_grpc.GatewayServicer):
             if context.is_active():
                 context.abort(*link.error(err))
         finally:
+            call.cancel()  # the stream was closed early (its client left): stop the engine's request
             finished()
 
     # ----------------------------------------------------------- templates
 
     def CreateTemplate(self, request, context):
         tenant = self.auth.authorize(context, SCOPE_TEMPLATES_WRITE).tenant
-        check_name(request.name)
-        check_ttl(request.ttl_seconds)
-        if not request.content:
-            raise ValueError("content must not be empty")
+        check_create(request)
         engine = self.pool.any_serving()
         token_ids = engine.tokenize(epb.TokenizeRequest(text=request.content))
         max_context = engine.model_info().max_context
@@ -167,11 +190,13 @@ class GatewayService(pb_grpc.GatewayServicer):
                 f"content is {len(token_ids)} tokens; the model's context of {max_context} tokens "
                 "leaves no room for a prompt"
             )
+        pin_blocks = len(token_ids) // engine.model_info().block_size
         template = self.store.create(
-            tenant, request.name, request.content, token_ids, request.ttl_seconds, request.description
-        )
+            tenant, request.name, request.content, token_ids, request.ttl_seconds, request.description,
+            self.limits, pin_blocks,
+        )  # fmt: skip
         try:
-            self.keeper.warm(template, timeout_s=context.time_remaining())
+            self.keeper.warm(template, timeout_s=remaining_s(context, WARM_TIMEOUT_S))
         except (grpc.RpcError, NoReplica):
             # Not usable as promised: the name stays free for another try.
             self.store.delete(tenant, request.name)
@@ -181,10 +206,12 @@ class GatewayService(pb_grpc.GatewayServicer):
 
     def GetTemplate(self, request, context):
         tenant = self.auth.authorize(context, None).tenant
+        check_name(request.name)
         return _template_pb(self.store.get(tenant, request.name), with_content=True)
 
     def ListTemplates(self, request, context):
         tenant = self.auth.authorize(context, None).tenant
+        check_list(request)
         templates, next_token = self.store.list(tenant, request.page_size, request.page_token)
         return pb.ListTemplatesResponse(
             templates=[_template_pb(t, with_content=False) for t in templates], next_page_token=next_token
@@ -192,12 +219,14 @@ class GatewayService(pb_grpc.GatewayServicer):
 
     def UpdateTemplate(self, request, context):
         tenant = self.auth.authorize(context, SCOPE_TEMPLATES_WRITE).tenant
+        check_update(request)
         ttl = request.ttl_seconds if request.HasField("ttl_seconds") else None
         description = request.description if request.HasField("description") else None
         return _template_pb(self.store.update(tenant, request.name, ttl, description), with_content=True)
 
     def DeleteTemplate(self, request, context):
         tenant = self.auth.authorize(context, SCOPE_TEMPLATES_WRITE).tenant
+        check_name(request.name)
         self.store.delete(tenant, request.name)
         self.keeper.release(tenant, request.name)  # or the keeper's sweep, if a replica is down
         log.info("template deleted", extra={"tenant": tenant, "template": request.name})
@@ -214,6 +243,7 @@ class GatewayService(pb_grpc.GatewayServicer):
             templates = 0  # Info stays useful while Redis is down
         return pb.InfoResponse(
             model=info.model,
+            model_type=info.model_type,
             block_size=info.block_size,
             max_context=info.max_context,
             templates=templates,

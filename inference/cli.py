@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 
 from kvd import logs
+from kvd.auth import read_token
 from kvd.cli import default_socket, env_default, refuse_retired_variables
 
 log = logging.getLogger("inference")
@@ -29,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         default=env_default("KVD_MODEL", "smollm2"),
-        help="'smollm2' (the bundled SmolLM2-135M-Instruct), a local HF model folder, or a .gguf file (KVD_MODEL)",
+        help="'smollm2' (the bundled SmolLM2-135M-Instruct), a local HF model folder, or a .gguf file, "
+        "of a supported family (README: Model families; others are refused) (KVD_MODEL)",
     )
     p.add_argument(
         "--model-cache-dir",
@@ -52,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the daemon: unix:PATH or HOST:PORT (KVD_ADDRESS)",
     )
     p.add_argument(
+        "--kvd-token-file",
+        default=env_default("KVD_TOKEN_FILE", ""),
+        help="a file with the token of the daemon's TCP listener (KVD_TOKEN_FILE)",
+    )
+    p.add_argument(
         "--listen", default=env_default("KVD_ENGINE_ADDR", "127.0.0.1:50052"), help="gRPC address (KVD_ENGINE_ADDR)"
     )
     p.add_argument(
@@ -69,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--attention-backend",
         default=env_default("KVD_ATTENTION_BACKEND", "auto"),
-        help="auto (flash-attn on GPU when installed, else torch), torch, flash-attn (KVD_ATTENTION_BACKEND)",
+        help="auto (triton on a GPU, torch elsewhere), torch, triton, flash-attn (KVD_ATTENTION_BACKEND)",
     )
     p.add_argument(
         "--no-prefix-caching",
@@ -98,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             dtype=args.dtype or None,
             device=args.device,
             kvd_address=args.kvd_address,
+            kvd_token=read_token(args.kvd_token_file, "daemon token") if args.kvd_token_file else None,
             listen=args.listen,
             token_budget=args.token_budget,
             max_num_seqs=args.max_num_seqs,

@@ -227,6 +227,7 @@ class Engine:
             token_ids=(seq.prompt_ids if in_prompt else seq.all_ids)[w.first : w.end],
             first=w.first,
             block_table=seq.block_table,
+            request_id=seq.request_id,  # its block-table row persists while it runs
             write_from=max(w.first, w.num_cached_tokens),
             wants_logits=w.end == num_tokens and not seq.prefill_only,
         )

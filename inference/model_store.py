@@ -248,6 +248,17 @@ def load_model(path: Path, dtype: torch.dtype, device: str = "cpu") -> torch.nn.
     return model.to(device).eval()
 
 
+def load_config(path: Path):
+    """Reads a model folder's transformers config (no weights).
+
+    Args:
+        path: a folder from :func:`resolve_model`.
+    """
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path, local_files_only=True)
+
+
 def load_tokenizer(path: Path):
     """Loads the tokenizer (with its chat template) from a local folder.
 

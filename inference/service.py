@@ -34,8 +34,9 @@ class ModelInfo:
     """What the service needs to know of the model."""
 
     def __init__(self, name: str, dtype: str, device: str, backend: str, max_context: int, vocab_size: int,
-                 eos_token_ids: set[int], block_size: int) -> None:  # fmt: skip
+                 eos_token_ids: set[int], block_size: int, model_type: str = "") -> None:  # fmt: skip
         self.name, self.dtype, self.device, self.backend = name, dtype, device, backend
+        self.model_type = model_type
         self.max_context, self.vocab_size, self.block_size = max_context, vocab_size, block_size
         self.eos_token_ids = eos_token_ids
 
@@ -60,6 +61,7 @@ class EngineService(pb_grpc.EngineServicer):
     def Generate(self, request, context):
         prompt = self._prompt_ids(request, "prompt")
         params = sampling_params(request.sampling)
+        self._check_stop_ids(params.stop_token_ids)
         self._check_fits(len(prompt), params.max_new_tokens)
         seq = Sequence(uuid.uuid4().hex, prompt, params, cache_salt=self._salt(request.cache_salt))
         response_id = request.request_id or seq.request_id
@@ -147,6 +149,7 @@ class EngineService(pb_grpc.EngineServicer):
             eos_token_ids=sorted(i.eos_token_ids),
             device=i.device,
             cache_id=session.cache_id if (session := self.engine.session) is not None else "",
+            model_type=i.model_type,
         )
 
     # ---------------------------------------------------------- helpers
@@ -185,6 +188,12 @@ class EngineService(pb_grpc.EngineServicer):
             raise ValueError(f"{field}: token id {bad} is outside the vocabulary [0, {vocab})")
         return ids
 
+    def _check_stop_ids(self, ids: tuple[int, ...]) -> None:
+        vocab = self.info.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"sampling.stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
+
     def _check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         if prompt_len + max_new_tokens > self.info.max_context:
             raise ValueError(
@@ -212,7 +221,14 @@ STATUS_BY_ERROR: StatusTable = (
 
 
 def sampling_params(msg: pb.SamplingParams) -> SamplingParams:
-    """Raises ``ValueError`` naming the field on a bad value."""
+    """Raises ``ValueError`` naming the field (``sampling.top_p``, ...) on a bad value."""
+    try:
+        return _sampling_params(msg)
+    except ValueError as exc:
+        raise ValueError(f"sampling.{exc}") from None
+
+
+def _sampling_params(msg: pb.SamplingParams) -> SamplingParams:
     return SamplingParams(
         temperature=msg.temperature if msg.HasField("temperature") else 0.0,
         top_k=msg.top_k if msg.HasField("top_k") else 0,

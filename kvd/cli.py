@@ -75,6 +75,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="also listen on TCP HOST:PORT, e.g. 0.0.0.0:50061 (KVD_LISTEN)",
     )
     net.add_argument(
+        "--token-file",
+        default=env_default("KVD_TOKEN_FILE", ""),
+        help="a file with the token TCP callers must send (needed with --listen) (KVD_TOKEN_FILE)",
+    )
+    net.add_argument(
+        "--admin-token-file",
+        default=env_default("KVD_ADMIN_TOKEN_FILE", ""),
+        help="a file with the token of Reset and InspectBlock on TCP; without it they are unix-socket only "
+        "(KVD_ADMIN_TOKEN_FILE)",
+    )
+    net.add_argument(
         "--metrics-port",
         type=int,
         default=int(env_default("KVD_METRICS_PORT", 9401)),
@@ -215,8 +226,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"kvd: {exc}", file=sys.stderr)
         return 2
+    try:
+        interceptors = _tcp_auth(args)
+    except ValueError as exc:
+        print(f"kvd: {exc}", file=sys.stderr)
+        return 2
     metrics = DaemonMetrics(daemon)
-    server = build_server(daemon, metrics)
+    server = build_server(daemon, metrics, interceptors=interceptors)
     _prepare_socket(args.socket)
     server.add_port(f"unix:{args.socket}")
     if args.listen:
@@ -230,6 +246,18 @@ def main(argv: list[str] | None = None) -> int:
         extra={"socket": args.socket, "tcp": args.listen or None, "metrics_port": args.metrics_port or None},
     )
     return _serve_until_signal(daemon, server)
+
+
+def _tcp_auth(args: argparse.Namespace) -> tuple:
+    """The token check of the TCP listener (none without one: the socket is 0600)."""
+    from kvd.auth import TokenAuth, read_token
+
+    if not args.listen:
+        return ()
+    if not args.token_file:
+        raise ValueError("--listen needs --token-file: the TCP listener accepts only callers with the token")
+    admin = read_token(args.admin_token_file, "admin token") if args.admin_token_file else None
+    return (TokenAuth(read_token(args.token_file, "token"), admin),)
 
 
 def _serve_until_signal(daemon, server) -> int:

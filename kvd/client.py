@@ -15,6 +15,7 @@ import grpc
 import torch
 
 from kvd import wire
+from kvd.auth import BearerToken
 from kvd.layout import CacheLayout
 from kvd.memory import map_kv_cache
 from kvd_api.daemon.v1 import daemon_pb2 as pb
@@ -29,15 +30,16 @@ class DaemonClient:
         self.stub = pb_grpc.KVDaemonStub(channel)
 
     @classmethod
-    def connect(cls, address: str, timeout_s: float = 10.0) -> DaemonClient:
-        """Connects to ``unix:PATH`` or ``HOST:PORT``; waits until it answers."""
+    def connect(cls, address: str, timeout_s: float = 10.0, token: str | None = None) -> DaemonClient:
+        """Connects to ``unix:PATH`` or ``HOST:PORT`` (``token``: what its TCP
+        listener needs, see ``kvd.auth``); waits until it answers."""
         channel = grpc.insecure_channel(address)
         try:
             grpc.channel_ready_future(channel).result(timeout=timeout_s)
         except grpc.FutureTimeoutError:
             channel.close()
             raise ConnectionError(f"the daemon at {address} did not answer within {timeout_s}s") from None
-        return cls(channel)
+        return cls(grpc.intercept_channel(channel, BearerToken(token)) if token else channel)
 
     def attach(self, client_name: str, layout: CacheLayout | None = None, map_memory: bool = True) -> DaemonSession:
         """Opens a session; ``layout`` is the model's (its block size is the daemon's to choose).

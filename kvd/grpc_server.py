@@ -129,6 +129,7 @@ def build_server(
     serving: bool,
     max_workers: int,
     thread_name_prefix: str,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
 ) -> Server:
     """A server with the given services, health, reflection and the status interceptor (no port yet).
 
@@ -138,10 +139,11 @@ def build_server(
         serving: the health status it starts with.
         max_workers: threads serving calls (a stream holds one for its length).
         thread_name_prefix: names those threads.
+        interceptors: run before the status interceptor (e.g. the daemon's TCP token check).
     """
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=thread_name_prefix),
-        interceptors=[StatusInterceptor(errors)],
+        interceptors=[*interceptors, StatusInterceptor(errors)],
     )
     names = tuple(name for _, _, name in add_servicers)
     for add, servicer, _ in add_servicers:

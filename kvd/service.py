@@ -140,7 +140,9 @@ def event_to_pb(event: BlockEvent) -> pb.BlockEvent:
     return pb.BlockEvent(all_cleared=pb.AllCleared())
 
 
-def build_server(daemon: Daemon, metrics: DaemonMetrics | None, max_workers: int = 32) -> Server:
+def build_server(
+    daemon: Daemon, metrics: DaemonMetrics | None, max_workers: int = 32, interceptors: tuple = ()
+) -> Server:
     """The daemon's server: its service, health (serving from the start), reflection (no port yet)."""
     service = KVDaemonService(daemon, metrics)
     return build_grpc_server(
@@ -149,4 +151,5 @@ def build_server(daemon: Daemon, metrics: DaemonMetrics | None, max_workers: int
         serving=True,
         max_workers=max_workers,
         thread_name_prefix="kvd-rpc",
+        interceptors=interceptors,
     )
