@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from inference.engine import Engine
+from inference.model_runner import BlockTableRows
 from inference.requests import MAX_PROMPT_TOKENS_PER_STEP, RequestTable
 from inference.sampling import SamplingParams
 from inference.sequence import Finish, Sequence
@@ -41,6 +43,39 @@ def test_settings_go_once_and_finishes_wait_for_the_forward_in_flight():
     assert list(table.build_step().finished) == ["a"] and a.finish is Finish.CANCELLED
     table.add(c := seq("c", 3))
     assert table.cancel("c") is c  # never sent: dropped at once
+
+
+def scheduled(*entries: tuple[str, int, int, int, list[int]]) -> pb.StepResponse:
+    """A reply scheduling (request id, first position, tokens, cached tokens, new blocks) each."""
+    reply = pb.StepResponse()
+    s = reply.scheduled
+    for request_id, first, num_tokens, cached, blocks in entries:
+        s.request_ids.append(request_id)
+        s.first_positions.append(first)
+        s.num_tokens.append(num_tokens)
+        s.num_cached_tokens.append(cached)
+        s.num_new_blocks.append(len(blocks))
+        s.new_block_ids.extend(blocks)
+    return reply
+
+
+def test_a_running_sequences_row_persists_and_a_readmitted_ones_is_rewritten():
+    table = RequestTable(max_num_seqs=2, token_budget=64)
+    table.add(a := seq("a", 8))
+    table.build_step()
+    rows = BlockTableRows(rows=2, width=4)
+    assign = lambda reply: rows.assign([Engine._chunk(w) for w in table.apply(reply)[0]])  # noqa: E731
+
+    first = assign(scheduled(("a", 0, 8, 0, [7, 3])))
+    a.output_ids.append(1)  # its sampled token
+    rows.table[first[0], 0] = -1  # marks a block the next step must not write again
+    second = assign(scheduled(("a", 8, 1, 0, [5])))
+    assert second == first and rows.table[first[0], :3].tolist() == [-1, 3, 5]  # only the gained block
+    # Preempted, then admitted again in one reply with other blocks: the row is rewritten.
+    reply = scheduled(("a", 0, 9, 0, [2, 6, 4]))
+    reply.preempted.append("a")
+    again = assign(reply)
+    assert rows.table[again[0], :3].tolist() == [2, 6, 4] and a.block_table == [2, 6, 4]
 
 
 def test_a_reply_extends_tables_and_drops_preempted_ones():
