@@ -78,7 +78,7 @@ def run_manager(w: Workload, label: str) -> Run:
     requests: list[Any] = [None] * n
     clock = time.perf_counter_ns
     progress = common.Progress(label, n)
-    start = clock()
+    start, cpu_start = clock(), time.process_time()
     for commit, frees, admit in wl.schedule(n):
         if commit is not None:
             t0 = clock()
@@ -104,7 +104,7 @@ def run_manager(w: Workload, label: str) -> Run:
             run.new_blocks += len(admitted.blocks) - admitted.num_cached_tokens // BLOCK_SIZE
             if admit % 64 == 0:
                 progress.advance(64)
-    run.wall_s = (clock() - start) / 1e9
+    run.wall_s, run.cpu_s = (clock() - start) / 1e9, time.process_time() - cpu_start
     progress.done()
     run.prompt_tokens = sum(map(len, w.prompts))
     run.evictions = manager.pool.num_evictions
@@ -123,12 +123,15 @@ def run_steps_inprocess(w: Workload, label: str, batched: bool = False) -> Run:
     return run
 
 
-def run_rpc(client: DaemonClient, w: Workload, label: str, batched: bool = False) -> Run:
-    """Step RPCs through a session of the client's daemon, which is reset after."""
+def run_rpc(daemon: Daemon, w: Workload, label: str, batched: bool = False) -> Run:
+    """Step RPCs through a session of the daemon, which is reset after."""
+    client = daemon.client
     session = client.attach("block_pool-bench", map_memory=False)
     before = client.stats()
     drive = steps.drive_batched if batched else steps.drive_per_request
+    daemon_cpu = daemon.cpu_s()
     run = drive(w, label, session.step)
+    run.cpu_s += daemon.cpu_s() - daemon_cpu
     after = client.stats()
     session.detach()
     client.stub.Reset(pb.ResetRequest())  # the next pass starts with an empty cache
@@ -142,7 +145,8 @@ def run_vllm(worker: VllmWorker, w: Workload, seed: int, label: str) -> Run:
     progress = common.Progress(label, 1)
     answer = worker.run(w.name, len(w.prompts), seed)
     progress.done()
-    run = Run(evictions=None, **{k: answer[k] for k in ("wall_s", "prompt_tokens", "cached_tokens", "new_blocks")})
+    counts = ("wall_s", "cpu_s", "prompt_tokens", "cached_tokens", "new_blocks")
+    run = Run(evictions=None, **{k: answer[k] for k in counts})
     run.op_us = answer["op_us"]
     return run
 
@@ -153,6 +157,7 @@ def summarize(runs: list[Run], requests: int) -> dict[str, Any]:
     out: dict[str, Any] = {
         "requests_per_s": common.median([requests / r.wall_s for r in runs]),
         "new_blocks_per_s": common.median([r.new_blocks / r.wall_s for r in runs]),
+        "cpu_requests_per_s": common.median([requests / r.cpu_s for r in runs]),
         "token_hit_rate": first.cached_tokens / first.prompt_tokens,
         "evictions": first.evictions,
         "us_per_request": {op: common.median([common.median(r.op_us[op]) for r in runs]) for op in first.op_us},
@@ -200,11 +205,9 @@ def run_workloads(
     """Every workload, each variant ``repeats`` times in turns; one daemon per pool size."""
     variants = [*KVD_VARIANTS, *([VLLM] if vllm else [])]
     results: dict[str, dict[str, Any]] = {v: {} for v in variants}
-    turns: dict[str, dict[str, list[Run]]] = {}
+    turns: dict[str, dict[str, list[tuple[float, float]]]] = {}
     params: dict[str, Any] = {}
-    daemon: common.KvdProcess | None = None
-    client: DaemonClient | None = None
-    daemon_blocks = 0
+    daemon: Daemon | None = None
     try:
         for name, n in sizes.items():
             w = wl.build_workload(name, n, args.seed)
@@ -214,40 +217,35 @@ def run_workloads(
             # what it would in the daemon (kvd's blocks and index only).
             gc.collect()
             gc.freeze()
-            if daemon is None or w.num_blocks != daemon_blocks:
-                if client is not None:
-                    client.close()
+            if daemon is None or w.num_blocks != daemon.num_blocks:
                 if daemon is not None:
-                    daemon.stop()
-                daemon, daemon_blocks = start_daemon(workdir, w.num_blocks, f"kvd-{name}"), w.num_blocks
-                daemons.append(describe_daemon(daemon, workdir, name))
-                client = DaemonClient.connect(daemon.address)
+                    daemon.close()
+                daemon = Daemon(workdir, w.num_blocks, f"kvd-{name}")
+                daemons.append(daemon.describe(workdir, name))
             else:  # same pool size: the same daemon, reset after every pass
                 daemons[-1]["workloads"].append(name)
-            runs = run_turns(w, variants, repeats, args.seed, client, vllm)
+            runs = run_turns(w, variants, repeats, args.seed, daemon, vllm)
             for variant in variants:
                 results[variant][name] = summarize(runs[variant], n)
-            turns[name] = {v: [n / r.wall_s for r in rs] for v, rs in runs.items()}
+            turns[name] = {v: [(n / r.wall_s, n / r.cpu_s) for r in rs] for v, rs in runs.items()}
             gc.unfreeze()
             del w, runs
     finally:
         gc.unfreeze()
-        if client is not None:
-            client.close()
         if daemon is not None:
-            daemon.stop()
+            daemon.close()
     return {"results": results, "turns": turns, "params": params}
 
 
 def run_turns(
-    w: Workload, variants: list[str], repeats: int, seed: int, client: DaemonClient, vllm: VllmWorker | None
+    w: Workload, variants: list[str], repeats: int, seed: int, daemon: Daemon, vllm: VllmWorker | None
 ) -> dict[str, list[Run]]:
     passes: dict[str, Callable[[str], Run]] = {
         "kvd_inprocess": lambda label: run_manager(w, label),
         "kvd_inprocess_step": lambda label: run_steps_inprocess(w, label),
-        "kvd_rpc": lambda label: run_rpc(client, w, label),
+        "kvd_rpc": lambda label: run_rpc(daemon, w, label),
         "kvd_inprocess_step_batched": lambda label: run_steps_inprocess(w, label, batched=True),
-        "kvd_rpc_batched": lambda label: run_rpc(client, w, label, batched=True),
+        "kvd_rpc_batched": lambda label: run_rpc(daemon, w, label, batched=True),
         VLLM: lambda label: run_vllm(vllm, w, seed, label),
     }
     runs: dict[str, list[Run]] = {v: [] for v in variants}
@@ -258,17 +256,33 @@ def run_turns(
     return runs
 
 
-def start_daemon(workdir: str, num_blocks: int, name: str) -> common.KvdProcess:
-    flags = [
-        "--metrics-port", "0", *LAYOUT_FLAGS, "--num-blocks", str(num_blocks),
-        "--block-size", str(BLOCK_SIZE), "--device", "cpu", "--log-level", "warning",
-    ]  # fmt: skip
-    return common.KvdProcess(workdir, flags, name=name).start()
+class Daemon:
+    """A kvd subprocess with a pool of ``num_blocks`` and a client connected to it."""
 
+    def __init__(self, workdir: str, num_blocks: int, name: str) -> None:
+        flags = [
+            "--metrics-port", "0", *LAYOUT_FLAGS, "--num-blocks", str(num_blocks),
+            "--block-size", str(BLOCK_SIZE), "--device", "cpu", "--log-level", "warning",
+        ]  # fmt: skip
+        self.process = common.KvdProcess(workdir, flags, name=name).start()
+        self.num_blocks = num_blocks
+        try:
+            self.client = DaemonClient.connect(self.process.address)
+        except BaseException:
+            self.process.stop()
+            raise
 
-def describe_daemon(daemon: common.KvdProcess, workdir: str, workload: str) -> dict[str, Any]:
-    command = " ".join(daemon.command).replace(workdir, "<tmpdir>")
-    return {"workloads": [workload], "command": command, "startup_s": round(daemon.startup_s, 2)}
+    def cpu_s(self) -> float:
+        assert self.process.proc is not None
+        return common.process_cpu_s(self.process.proc.pid)
+
+    def describe(self, workdir: str, workload: str) -> dict[str, Any]:
+        command = " ".join(self.process.command).replace(workdir, "<tmpdir>")
+        return {"workloads": [workload], "command": command, "startup_s": round(self.process.startup_s, 2)}
+
+    def close(self) -> None:
+        self.client.close()
+        self.process.stop()
 
 
 # ------------------------------------------------------------------ decode
@@ -298,24 +312,23 @@ def run_decode(args, num_steps: int, workdir: str, daemons: list) -> dict[str, A
         lambda s: run_step(manager, session, s), running, prompt_len, num_steps, warmup, args.seed
     )
     progress.done()
-    daemon = start_daemon(workdir, num_blocks, "kvd-decode")
-    daemons.append(describe_daemon(daemon, workdir, "step_rpc_64"))
+    daemon = Daemon(workdir, num_blocks, "kvd-decode")
+    daemons.append(daemon.describe(workdir, "step_rpc_64"))
     rtt: list[float] = []
     try:
-        with DaemonClient.connect(daemon.address) as client:
-            rpc_session = client.attach("block_pool-decode", map_memory=False)
-            ping = empty_call(client)
-            for _ in range(warmup):
-                ping()
-            gc.collect()
-            progress = common.Progress("decode 64 rpc + empty calls", 1)
-            rpc = steps.decode_steps(
-                rpc_session.step, running, prompt_len, num_steps, warmup, args.seed, lambda: rtt.append(ping())
-            )
-            progress.done()
-            rpc_session.detach()
+        rpc_session = daemon.client.attach("block_pool-decode", map_memory=False)
+        ping = empty_call(daemon.client)
+        for _ in range(warmup):
+            ping()
+        gc.collect()
+        progress = common.Progress("decode 64 rpc + empty calls", 1)
+        rpc = steps.decode_steps(
+            rpc_session.step, running, prompt_len, num_steps, warmup, args.seed, lambda: rtt.append(ping())
+        )
+        progress.done()
+        rpc_session.detach()
     finally:
-        daemon.stop()
+        daemon.close()
     params = {"running": running, "prompt_tokens": prompt_len, "steps": num_steps, "warmup_steps": warmup}
     params["num_blocks"] = num_blocks
     params["empty_call"] = "grpc.health.v1.Health/Check on the Step's channel, one after each timed Step"
@@ -337,23 +350,22 @@ def run_decode(args, num_steps: int, workdir: str, daemons: list) -> dict[str, A
 def run_waiting(args, num_steps: int, repeats: int, workdir: str, daemons: list) -> dict[str, Any]:
     """In-process (hashes counted) and RPC (bytes on the wire) passes, in turns."""
     num_blocks = waiting.num_blocks()
-    daemon = start_daemon(workdir, num_blocks, "kvd-waiting")
-    daemons.append(describe_daemon(daemon, workdir, "waiting"))
+    daemon = Daemon(workdir, num_blocks, "kvd-waiting")
+    daemons.append(daemon.describe(workdir, "waiting"))
     inproc: list[waiting.WaitingRun] = []
     rpc: list[waiting.WaitingRun] = []
     try:
-        with DaemonClient.connect(daemon.address) as client:
-            for turn in range(repeats):
-                for variant in turn_order(["inprocess", "rpc"], turn):
-                    gc.collect()
-                    progress = common.Progress(f"waiting {turn + 1}/{repeats} {variant}", 1)
-                    if variant == "inprocess":
-                        inproc.append(_waiting_inprocess(num_blocks, num_steps, args.seed))
-                    else:
-                        rpc.append(_waiting_rpc(client, num_steps, args.seed))
-                    progress.done()
+        for turn in range(repeats):
+            for variant in turn_order(["inprocess", "rpc"], turn):
+                gc.collect()
+                progress = common.Progress(f"waiting {turn + 1}/{repeats} {variant}", 1)
+                if variant == "inprocess":
+                    inproc.append(_waiting_inprocess(num_blocks, num_steps, args.seed))
+                else:
+                    rpc.append(_waiting_rpc(daemon, num_steps, args.seed))
+                progress.done()
     finally:
-        daemon.stop()
+        daemon.close()
     return {
         "kvd_inprocess_step": _summarize_waiting(inproc),
         "kvd_rpc": _summarize_waiting(rpc),
@@ -369,55 +381,72 @@ def _waiting_inprocess(num_blocks: int, num_steps: int, seed: int) -> waiting.Wa
         return waiting.run(lambda step: run_step(manager, session, step), num_steps, seed, hashes=counter)
 
 
-def _waiting_rpc(client: DaemonClient, num_steps: int, seed: int) -> waiting.WaitingRun:
-    session = client.attach("block_pool-waiting", map_memory=False)
+def _waiting_rpc(daemon: Daemon, num_steps: int, seed: int) -> waiting.WaitingRun:
+    session = daemon.client.attach("block_pool-waiting", map_memory=False)
     try:
         return waiting.run(
             session.step,
             num_steps,
             seed,
             request_bytes=lambda step: wire.step_to_pb(step, session.session_id).ByteSize(),
+            daemon_cpu_s=daemon.cpu_s,
         )
     finally:
         session.detach()
-        client.stub.Reset(pb.ResetRequest())
+        daemon.client.stub.Reset(pb.ResetRequest())
 
 
 def _summarize_waiting(runs: list[waiting.WaitingRun]) -> dict[str, Any]:
-    """Latency: medians over turns of each turn's percentile; counts: the first turn's (deterministic)."""
-    first = runs[0]
+    """Steady state (after the warm-up) and the arrival Step apart. Latency:
+    medians over turns of each turn's percentile; counts: the first turn's."""
+    first, steady = runs[0], slice(waiting.WARMUP_STEPS, None)
+    num_steady = len(first.step_ms[steady])
     out = {
-        "step_p50_ms": common.median([common.median(r.step_ms) for r in runs]),
-        "step_p99_ms": common.median([common.percentile(r.step_ms, 99) for r in runs]),
+        "step_p50_ms": common.median([common.median(r.step_ms[steady]) for r in runs]),
+        "step_p99_ms": common.median([common.percentile(r.step_ms[steady], 99) for r in runs]),
+        "arrival_step_ms": common.median([r.step_ms[0] for r in runs]),
         "waiting_requests": waiting.NUM_REQUESTS,
-        "waiting_requests_min": min(first.waiting),
-        "steps": len(first.step_ms),
+        "waiting_requests_steady_min": min(first.waiting[steady]),
+        "steady_steps": num_steady,
         "repeats": len(runs),
-        "admitted": sum(t[1] for t in first.trace),
-        "preempted": sum(t[2] for t in first.trace),
+        "admitted_steady": sum(t[1] for t in first.trace[steady]),
+        "preempted_steady": sum(t[2] for t in first.trace[steady]),
+        "free_blocks_steady_max": max(t[3] for t in first.trace[steady]),
     }
+    if first.daemon_cpu_s is not None:
+        out["daemon_cpu_ms_per_step"] = common.median([r.daemon_cpu_s * 1e3 / num_steady for r in runs])
     if first.request_bytes:
-        out["request_bytes_per_step"] = common.mean(first.request_bytes)
-        out["request_bytes_per_step_max"] = max(first.request_bytes)
+        out["request_bytes_per_step"] = common.mean(first.request_bytes[steady])
+        out["request_bytes_per_step_max"] = max(first.request_bytes[steady])
+        out["arrival_step_request_bytes"] = first.request_bytes[0]
     if first.hashes:
-        out["hashes_per_step"] = common.mean(first.hashes)
-        out["hashes_per_step_max"] = max(first.hashes)
+        out["hashes_per_step"] = common.mean(first.hashes[steady])
+        out["hashes_per_step_max"] = max(first.hashes[steady])
+        out["arrival_step_hashes"] = first.hashes[0]
     return out
 
 
 # ----------------------------------------------------------------- report
 
 
-def paired_ratios(turns: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, Any]]:
-    """Per workload and kvd variant: its requests/s over vLLM's, turn by turn."""
+def paired_ratios(turns: dict[str, dict[str, list[tuple[float, float]]]]) -> dict[str, dict[str, Any]]:
+    """Per workload and kvd variant: its requests/s over vLLM's, turn by turn,
+    by the clock and by CPU time (requests per CPU second of all its processes)."""
     paired: dict[str, dict[str, Any]] = {}
     for name, by_variant in turns.items():
         if VLLM not in by_variant:
             continue
         paired[name] = {}
         for variant in KVD_VARIANTS:
-            per_turn = [k / v for k, v in zip(by_variant[variant], by_variant[VLLM], strict=True)]
-            paired[name][variant] = {"median": common.median(per_turn), "per_turn": per_turn}
+            pairs = list(zip(by_variant[variant], by_variant[VLLM], strict=True))
+            wall = [k[0] / v[0] for k, v in pairs]
+            cpu = [k[1] / v[1] for k, v in pairs]
+            paired[name][variant] = {
+                "median": common.median(wall),
+                "per_turn": wall,
+                "cpu_median": common.median(cpu),
+                "cpu_per_turn": cpu,
+            }
     return paired
 
 
@@ -444,6 +473,7 @@ def build_ratios(results: dict[str, Any], paired: dict[str, dict[str, Any]]) -> 
             ("kvd_rpc_batched", "rpc_batched"),
         ):
             ratios[f"{label}_over_vllm_requests_per_s_{name}"] = by_variant[variant]["median"]
+            ratios[f"{label}_over_vllm_cpu_requests_per_s_{name}"] = by_variant[variant]["cpu_median"]
     for name in ("hot", "evict"):
         if name in inproc and "cold" in inproc:
             for variant, label in (("kvd_inprocess", "inprocess"), ("kvd_rpc", "rpc")):
@@ -464,9 +494,9 @@ def print_table(results: dict[str, Any], ratios: dict[str, float | None], varian
             r = results[variant][name]
             us = " ".join(f"{op}={v:.0f}" for op, v in r["us_per_request"].items())
             rows.append(
-                [name, variant, r["requests_per_s"], r["new_blocks_per_s"], r["token_hit_rate"], r["evictions"], us]
+                [name, variant, r["requests_per_s"], r["cpu_requests_per_s"], r["token_hit_rate"], r["evictions"], us]
             )
-    headers = ["workload", "variant", "req/s", "new blocks/s", "hit rate", "evictions", "median us/request (step)"]
+    headers = ["workload", "variant", "req/s", "req/cpu-s", "hit rate", "evictions", "median us/request (step)"]
     print(common.format_table(headers, rows))
     print()
     decode_rows = [
@@ -475,10 +505,18 @@ def print_table(results: dict[str, Any], ratios: dict[str, float | None], varian
     print(common.format_table(["decode step, 64 running", "p50 ms", "p99 ms"], decode_rows))
     print()
     waiting_rows = [
-        [v, r["step_p50_ms"], r["step_p99_ms"], r.get("request_bytes_per_step"), r.get("hashes_per_step")]
+        [
+            v,
+            r["step_p50_ms"],
+            r["step_p99_ms"],
+            r.get("daemon_cpu_ms_per_step"),
+            r.get("request_bytes_per_step"),
+            r.get("hashes_per_step"),
+        ]
         for v, r in ((v, results[v]["waiting"]) for v in ("kvd_rpc", "kvd_inprocess_step"))
     ]
-    print(common.format_table(["waiting (256 x 8000)", "p50 ms", "p99 ms", "bytes/step", "hashes/step"], waiting_rows))
+    headers = ["waiting (256 x 8000)", "p50 ms", "p99 ms", "daemon cpu ms", "bytes/step", "hashes/step"]
+    print(common.format_table(headers, waiting_rows))
     print()
     print(common.format_table(["ratio", "value"], sorted(ratios.items())))
 

@@ -35,7 +35,7 @@ def drive_per_request(w: Workload, label: str, step_fn: StepFn) -> Run:
     t_step = run.op_us["step"]
     clock = time.perf_counter_ns
     progress = common.Progress(label, n)
-    start = clock()
+    start, cpu_start = clock(), time.process_time()
     for commit, frees, admit in wl.schedule(n):
         step = StepInput(
             commits=[CommitWork(f"r{commit}", len(w.prompts[commit]))] if commit is not None else [],
@@ -53,7 +53,7 @@ def drive_per_request(w: Workload, label: str, step_fn: StepFn) -> Run:
         _account(run, out)
         if admit % 64 == 0:
             progress.advance(64)
-    run.wall_s = (clock() - start) / 1e9
+    run.wall_s, run.cpu_s = (clock() - start) / 1e9, time.process_time() - cpu_start
     progress.done()
     run.prompt_tokens = sum(map(len, w.prompts))
     return run
@@ -69,7 +69,7 @@ def drive_batched(w: Workload, label: str, step_fn: StepFn) -> Run:
     previous: list[int] = []  # admitted by the last Step: committed and freed by the next
     clock = time.perf_counter_ns
     progress = common.Progress(label, n)
-    start = clock()
+    start, cpu_start = clock(), time.process_time()
     while pending or previous:
         offered = [pending.popleft() for _ in range(min(IN_FLIGHT, len(pending)))]
         step = StepInput(
@@ -90,7 +90,7 @@ def drive_batched(w: Workload, label: str, step_fn: StepFn) -> Run:
         run.extra["steps"] += 1
         run.extra["deferred_admissions"] += len(waiting)
         progress.advance(len(previous))
-    run.wall_s = (clock() - start) / 1e9
+    run.wall_s, run.cpu_s = (clock() - start) / 1e9, time.process_time() - cpu_start
     progress.done()
     run.prompt_tokens = sum(map(len, w.prompts))
     return run

@@ -63,7 +63,7 @@ class VllmPool:
         requests: list[Any] = [None] * n
         cached_tokens = new_blocks = 0
         clock = time.perf_counter_ns
-        start = clock()
+        start, cpu_start = clock(), time.process_time()
         for commit, frees, admit in wl.schedule(n):
             if commit is not None:
                 t0 = clock()
@@ -90,11 +90,12 @@ class VllmPool:
             requests[admit] = request
             cached_tokens += num_hit_tokens
             new_blocks += len(allocated.get_block_ids()[0])
-        wall_s = (clock() - start) / 1e9
+        wall_s, cpu_s = (clock() - start) / 1e9, time.process_time() - cpu_start
         free = manager.block_pool.get_num_free_blocks()
         assert free == w.num_blocks, f"vllm {w.name}: {w.num_blocks - free} blocks leaked"
         return {
             "wall_s": wall_s,
+            "cpu_s": cpu_s,
             "prompt_tokens": sum(map(len, w.prompts)),
             "cached_tokens": cached_tokens,
             "new_blocks": new_blocks,

@@ -1,13 +1,17 @@
 """The block-pool benchmark's ``waiting`` workload: a long queue at a full pool.
 
 256 requests of 8,000 tokens arrive at once at an engine whose daemon pool
-holds 16 of them. The engine's own scheduler (``inference.scheduler``, its
-default limits) builds every Step, and a stand-in for the model computes each
-chunk it is given and samples one token where a chunk wants logits; requests
-finish after a few tokens and free their blocks. What is measured per Step:
-its latency, the bytes of the request on the wire and the SHA-256 block
-hashes the daemon computes (counted in-process, where the same ``run_step``
-runs as in the daemon: the hash function is wrapped).
+holds 16 of them. The engine's own scheduler (``inference.scheduler``) builds
+every Step, and a stand-in for the model computes each chunk it is given and
+samples one token where a chunk wants logits; requests finish after 64 tokens
+and free their blocks, and the next waiting one takes their place. The token
+budget holds one whole prompt, so the pool is full after about 16 Steps; the
+Steps after ``WARMUP_STEPS`` are the steady state (a full pool, ~240 waiting).
+
+What is measured per Step: its latency, the bytes of the request on the wire
+and the SHA-256 block hashes the daemon computes (counted in-process, where
+the same code runs as in the daemon: the hash function is wrapped). The
+arrival Step (the first) is reported on its own.
 """
 
 from __future__ import annotations
@@ -30,9 +34,10 @@ from kvd.step import StepInput, StepOutput
 NUM_REQUESTS = 256
 PROMPT_TOKENS = 8000
 POOL_REQUESTS = 16  # the pool holds this many whole requests
-MAX_NEW_TOKENS = 16
-MAX_NUM_SEQS = 64  # the engine's defaults (inference/engine.py EngineConfig)
-TOKEN_BUDGET = 512
+MAX_NEW_TOKENS = 64
+MAX_NUM_SEQS = 64  # the engine's default (inference/engine.py EngineConfig)
+TOKEN_BUDGET = 8192  # one whole prompt per Step, so the pool fills in ~16 Steps
+WARMUP_STEPS = 24
 
 
 def num_blocks() -> int:
@@ -48,7 +53,8 @@ def params(steps: int) -> dict[str, Any]:
         "max_new_tokens": MAX_NEW_TOKENS,
         "max_num_seqs": MAX_NUM_SEQS,
         "token_budget": TOKEN_BUDGET,
-        "timed_steps": steps,
+        "warmup_steps": WARMUP_STEPS,
+        "steady_steps": steps,
         "scheduler": "inference.scheduler.Scheduler (what the engine sends)",
     }
 
@@ -59,7 +65,9 @@ class WaitingRun:
     request_bytes: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)
     waiting: list[int] = field(default_factory=list)
-    trace: list[tuple[int, int, int]] = field(default_factory=list)  # (scheduled, admitted, preempted) per step
+    # per step: (scheduled, admitted, preempted, free blocks after it)
+    trace: list[tuple[int, int, int, int]] = field(default_factory=list)
+    daemon_cpu_s: float | None = None  # the daemon process's CPU over the steady Steps (RPC only)
 
 
 class HashCounter:
@@ -89,15 +97,18 @@ def run(
     seed: int,
     request_bytes: Callable[[StepInput], int] | None = None,
     hashes: HashCounter | None = None,
+    daemon_cpu_s: Callable[[], float] | None = None,
 ) -> WaitingRun:
-    """All requests arrive, then ``steps`` engine steps are timed."""
+    """All requests arrive, then ``WARMUP_STEPS + steps`` engine steps, each measured."""
     rng = random.Random(f"block_pool/waiting/{seed}")
     scheduler = Scheduler(MAX_NUM_SEQS, TOKEN_BUDGET)
     sampling = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True)
     for i in range(NUM_REQUESTS):
         scheduler.add(Sequence(f"w{i}", wl.random_tokens(rng, PROMPT_TOKENS), sampling))
     out = WaitingRun()
-    for _ in range(steps):
+    for index in range(WARMUP_STEPS + steps):
+        if daemon_cpu_s is not None and index == WARMUP_STEPS:
+            out.daemon_cpu_s = -daemon_cpu_s()
         step = scheduler.build_step()
         out.waiting.append(len(scheduler.waiting))
         hashed_before = hashes.count if hashes else 0
@@ -109,8 +120,10 @@ def run(
         if request_bytes:
             out.request_bytes.append(request_bytes(step))
         admitted = sum(1 for s in reply.scheduled if s.admitted)
-        out.trace.append((len(reply.scheduled), admitted, len(reply.preempted)))
+        out.trace.append((len(reply.scheduled), admitted, len(reply.preempted), reply.num_free_blocks))
         _compute(scheduler, reply, rng)
+    if daemon_cpu_s is not None:
+        out.daemon_cpu_s += daemon_cpu_s()
     return out
 
 

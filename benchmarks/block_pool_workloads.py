@@ -80,6 +80,7 @@ class Run:
     """One pass over a workload by one variant."""
 
     wall_s: float = 0.0
+    cpu_s: float = 0.0  # CPU seconds of every process the pass ran in (kvd RPC: client + daemon)
     prompt_tokens: int = 0
     cached_tokens: int = 0
     new_blocks: int = 0
