@@ -12,19 +12,21 @@ Each runs these ways, taking turns repeat by repeat (the machine is noisy;
 every other turn runs them in reverse order):
 
     kvd_inprocess               KVCacheManager calls, each operation timed;
-    kvd_inprocess_step          run_step with one StepInput per request (what
-                                the daemon does per Step, without gRPC);
+    kvd_inprocess_step          kvd.scheduler.run_step, one Step per request
+                                (what the daemon does per Step, without gRPC);
     kvd_rpc                     one Step RPC per request to a kvd subprocess;
-    kvd_inprocess_step_batched  run_step, admissions batched as an engine
-    kvd_rpc_batched             sends them (8 per Step), in-process and RPC;
+    kvd_inprocess_step_batched  run_step, 8 new requests per Step, as an
+    kvd_rpc_batched             engine sends a burst, in-process and RPC;
     vllm_inprocess              vLLM's KVCacheManager on the same workload
                                 (only with --vllm-python: block_pool_vllm.py).
 
 Request i is one step: commit request i-1's whole prompt, free request i-8,
 admit request i (whole prompt, one chunk), so 8 requests hold blocks between
-steps (the batched variants: each Step commits and frees the previous Step's
-8 and admits the next 8). Ratios against vLLM are paired: one per turn, from
-passes run next to each other, then the median.
+steps (the batched variants: each Step commits and finishes the previous
+Step's admissions and sends the next 8). Through Steps (protocol v2) a prompt
+is sent once, as a new request (prompt only), and the daemon schedules it.
+Ratios against vLLM are paired: one per turn, from passes run next to each
+other, then the median.
 
 ``step_rpc_64`` times decode Steps of 64 running requests (64 commits of one
 sampled token + 64 one-token appends), each followed by an empty call on the
@@ -38,6 +40,7 @@ requests of 8,000 tokens in front of a pool for 16 (``block_pool_waiting.py``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import sys
 import tempfile
@@ -53,12 +56,11 @@ from block_pool_vllm import VllmWorker
 from block_pool_workloads import BLOCK_SIZE, EVICT_BLOCKS, IN_FLIGHT, TOKEN_BUDGET, VOCAB, Run, Workload
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvd import wire
 from kvd.block_pool import BlockPool
 from kvd.cache_manager import KVCacheManager
 from kvd.client import DaemonClient
+from kvd.scheduler import run_step
 from kvd.session import Session
-from kvd.step import run_step
 from kvd_api.daemon.v1 import daemon_pb2 as pb
 
 LAYOUT_FLAGS = ["--num-layers", "1", "--num-kv-heads", "1", "--head-dim", "8"]
@@ -349,8 +351,8 @@ def run_decode(args, num_steps: int, workdir: str, daemons: list) -> dict[str, A
 
 def run_waiting(args, num_steps: int, repeats: int, workdir: str, daemons: list) -> dict[str, Any]:
     """In-process (hashes counted) and RPC (bytes on the wire) passes, in turns."""
-    num_blocks = waiting.num_blocks()
-    daemon = Daemon(workdir, num_blocks, "kvd-waiting")
+    shape = waiting.Shape()
+    daemon = Daemon(workdir, shape.num_blocks, "kvd-waiting")
     daemons.append(daemon.describe(workdir, "waiting"))
     inproc: list[waiting.WaitingRun] = []
     rpc: list[waiting.WaitingRun] = []
@@ -360,70 +362,50 @@ def run_waiting(args, num_steps: int, repeats: int, workdir: str, daemons: list)
                 gc.collect()
                 progress = common.Progress(f"waiting {turn + 1}/{repeats} {variant}", 1)
                 if variant == "inprocess":
-                    inproc.append(_waiting_inprocess(num_blocks, num_steps, args.seed))
+                    inproc.append(waiting.run_inprocess(shape, num_steps, args.seed))
                 else:
-                    rpc.append(_waiting_rpc(daemon, num_steps, args.seed))
+                    rpc.append(_waiting_rpc(daemon, shape, num_steps, args.seed))
                 progress.done()
     finally:
         daemon.close()
+    # A short queue (16 waiting while the first 16 run): what a Step costs
+    # should not grow with the queue. Compared over the Steps before the
+    # first requests finish, so the same number run in both.
+    short = dataclasses.replace(shape, requests=2 * shape.pool_requests)
+    compared = min(num_steps, shape.max_new_tokens)
+    progress = common.Progress(f"waiting, {short.requests} requests, in-process", 1)
+    short_run = waiting.run_inprocess(short, compared, args.seed)
+    by_depth = {
+        str(short.requests): waiting.summarize([short_run], short, compared),
+        str(shape.requests): waiting.summarize(inproc[:1], shape, compared),
+    }
+    progress.done()
+    keys = ("steady_steps", "waiting_requests_steady_min", "request_bytes_per_step", "hashes_per_step", "step_p50_ms")
     return {
-        "kvd_inprocess_step": _summarize_waiting(inproc),
-        "kvd_rpc": _summarize_waiting(rpc),
+        "kvd_inprocess_step": {
+            **waiting.summarize(inproc, shape),
+            "by_queue": {n: {k: d[k] for k in keys} for n, d in by_depth.items()},
+        },
+        "kvd_rpc": waiting.summarize(rpc, shape),
         "same_steps": all(r.trace == inproc[0].trace for r in inproc + rpc),
-        "params": waiting.params(num_steps),
+        "params": shape.params(num_steps),
     }
 
 
-def _waiting_inprocess(num_blocks: int, num_steps: int, seed: int) -> waiting.WaitingRun:
-    manager = KVCacheManager(BlockPool(num_blocks), BLOCK_SIZE)
-    session = Session(session_id="bench", client_name="block_pool", last_seen=0.0)
-    with waiting.HashCounter().installed() as counter:
-        return waiting.run(lambda step: run_step(manager, session, step), num_steps, seed, hashes=counter)
-
-
-def _waiting_rpc(daemon: Daemon, num_steps: int, seed: int) -> waiting.WaitingRun:
+def _waiting_rpc(daemon: Daemon, shape: waiting.Shape, num_steps: int, seed: int) -> waiting.WaitingRun:
     session = daemon.client.attach("block_pool-waiting", map_memory=False)
     try:
         return waiting.run(
             session.step,
+            shape,
             num_steps,
             seed,
-            request_bytes=lambda step: wire.step_to_pb(step, session.session_id).ByteSize(),
+            request_bytes=lambda msg: msg.ByteSize(),  # session_id included: the RPC set it
             daemon_cpu_s=daemon.cpu_s,
         )
     finally:
         session.detach()
         daemon.client.stub.Reset(pb.ResetRequest())
-
-
-def _summarize_waiting(runs: list[waiting.WaitingRun]) -> dict[str, Any]:
-    """Steady state (after the warm-up) and the arrival Step apart. Latency:
-    medians over turns of each turn's percentile; counts: the first turn's."""
-    first, steady = runs[0], slice(waiting.WARMUP_STEPS, None)
-    num_steady = len(first.step_ms[steady])
-    out = {
-        "step_p50_ms": common.median([common.median(r.step_ms[steady]) for r in runs]),
-        "step_p99_ms": common.median([common.percentile(r.step_ms[steady], 99) for r in runs]),
-        "arrival_step_ms": common.median([r.step_ms[0] for r in runs]),
-        "waiting_requests": waiting.NUM_REQUESTS,
-        "waiting_requests_steady_min": min(first.waiting[steady]),
-        "steady_steps": num_steady,
-        "repeats": len(runs),
-        "admitted_steady": sum(t[1] for t in first.trace[steady]),
-        "preempted_steady": sum(t[2] for t in first.trace[steady]),
-        "free_blocks_steady_max": max(t[3] for t in first.trace[steady]),
-    }
-    if first.daemon_cpu_s is not None:
-        out["daemon_cpu_ms_per_step"] = common.median([r.daemon_cpu_s * 1e3 / num_steady for r in runs])
-    if first.request_bytes:
-        out["request_bytes_per_step"] = common.mean(first.request_bytes[steady])
-        out["request_bytes_per_step_max"] = max(first.request_bytes[steady])
-        out["arrival_step_request_bytes"] = first.request_bytes[0]
-    if first.hashes:
-        out["hashes_per_step"] = common.mean(first.hashes[steady])
-        out["hashes_per_step_max"] = max(first.hashes[steady])
-        out["arrival_step_hashes"] = first.hashes[0]
-    return out
 
 
 # ----------------------------------------------------------------- report

@@ -1,17 +1,23 @@
 """The block-pool benchmark's ``waiting`` workload: a long queue at a full pool.
 
 256 requests of 8,000 tokens arrive at once at an engine whose daemon pool
-holds 16 of them. The engine's own scheduler (``inference.scheduler``) builds
-every Step, and a stand-in for the model computes each chunk it is given and
-samples one token where a chunk wants logits; requests finish after 64 tokens
-and free their blocks, and the next waiting one takes their place. The token
-budget holds one whole prompt, so the pool is full after about 16 Steps; the
-Steps after ``WARMUP_STEPS`` are the steady state (a full pool, ~240 waiting).
+holds 16 of them. The engine's request table (``inference.requests``) builds
+every Step as the engine's loop does (pipelined: the Step for step N+1 goes
+out while forward N runs, and N's results are committed in the Step after),
+and a stand-in for the model computes each chunk it is given and samples one
+token where a chunk wants logits; requests finish after 64 tokens and free
+their blocks, and the next waiting one takes their place. The token budget
+holds one whole prompt, so the pool is full after about 16 Steps; the Steps
+after ``warmup_steps`` are the steady state (a full pool, ~200 waiting).
+
+All 256 reach the request table before the first Step; the engine spreads
+their prompts over the first Steps (``MAX_PROMPT_TOKENS_PER_STEP`` of
+``inference.requests``: 16 prompts a Step), the arrival Steps, reported on
+their own (summed).
 
 What is measured per Step: its latency, the bytes of the request on the wire
 and the SHA-256 block hashes the daemon computes (counted in-process, where
-the same code runs as in the daemon: the hash function is wrapped). The
-arrival Step (the first) is reported on its own.
+the same code runs as in the daemon: the hash function is wrapped).
 """
 
 from __future__ import annotations
@@ -20,43 +26,46 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import _common as common
 import block_pool_workloads as wl
 
 import kvd.hashing
+from inference.requests import RequestTable, Work
 from inference.sampling import SamplingParams
-from inference.scheduler import Scheduler
-from inference.sequence import Finish, Sequence, Status
-from kvd.step import StepInput, StepOutput
-
-NUM_REQUESTS = 256
-PROMPT_TOKENS = 8000
-POOL_REQUESTS = 16  # the pool holds this many whole requests
-MAX_NEW_TOKENS = 64
-MAX_NUM_SEQS = 64  # the engine's default (inference/engine.py EngineConfig)
-TOKEN_BUDGET = 8192  # one whole prompt per Step, so the pool fills in ~16 Steps
-WARMUP_STEPS = 24
+from inference.sequence import Finish, Sequence
+from kvd.block_pool import BlockPool
+from kvd.cache_manager import KVCacheManager
+from kvd.scheduler import run_step
+from kvd.session import Session
+from kvd_api.daemon.v1 import daemon_pb2 as pb
 
 
-def num_blocks() -> int:
-    return POOL_REQUESTS * -(-(PROMPT_TOKENS + MAX_NEW_TOKENS) // wl.BLOCK_SIZE)
+@dataclass(frozen=True)
+class Shape:
+    """The workload's sizes (the defaults are the benchmark's; tests shrink them)."""
 
+    requests: int = 256
+    prompt_tokens: int = 8000
+    pool_requests: int = 16  # the pool holds this many whole requests
+    max_new_tokens: int = 64
+    max_num_seqs: int = 64  # the engine's default (inference/engine.py EngineConfig)
+    token_budget: int = 8192  # one whole prompt per Step, so the pool fills in ~16 Steps
+    warmup_steps: int = 24
 
-def params(steps: int) -> dict[str, Any]:
-    return {
-        "requests": NUM_REQUESTS,
-        "prompt_tokens": PROMPT_TOKENS,
-        "num_blocks": num_blocks(),
-        "pool_holds_requests": POOL_REQUESTS,
-        "max_new_tokens": MAX_NEW_TOKENS,
-        "max_num_seqs": MAX_NUM_SEQS,
-        "token_budget": TOKEN_BUDGET,
-        "warmup_steps": WARMUP_STEPS,
-        "steady_steps": steps,
-        "scheduler": "inference.scheduler.Scheduler (what the engine sends)",
-    }
+    @property
+    def num_blocks(self) -> int:
+        return self.pool_requests * -(-(self.prompt_tokens + self.max_new_tokens) // wl.BLOCK_SIZE)
+
+    def params(self, steps: int) -> dict[str, Any]:
+        return {
+            **asdict(self),
+            "num_blocks": self.num_blocks,
+            "steady_steps": steps,
+            "engine": "inference.requests.RequestTable, pipelined as inference.engine (what the engine sends)",
+        }
 
 
 @dataclass
@@ -67,6 +76,7 @@ class WaitingRun:
     waiting: list[int] = field(default_factory=list)
     # per step: (scheduled, admitted, preempted, free blocks after it)
     trace: list[tuple[int, int, int, int]] = field(default_factory=list)
+    arrival_steps: int = 0  # the first Steps, which carried the arrivals
     daemon_cpu_s: float | None = None  # the daemon process's CPU over the steady Steps (RPC only)
 
 
@@ -91,50 +101,103 @@ class HashCounter:
             kvd.hashing._sha256 = original
 
 
+def run_inprocess(shape: Shape, steps: int, seed: int) -> WaitingRun:
+    """The daemon's Step code in this process, its block hashes counted (and
+    the request bytes, without the session id an RPC adds)."""
+    manager = KVCacheManager(BlockPool(shape.num_blocks), wl.BLOCK_SIZE)
+    session = Session(session_id="bench", client_name="block_pool", last_seen=0.0)
+    with HashCounter().installed() as counter:
+        step_fn = lambda msg: run_step(manager, session, msg)  # noqa: E731
+        return run(step_fn, shape, steps, seed, request_bytes=lambda msg: msg.ByteSize(), hashes=counter)
+
+
 def run(
-    step_fn: Callable[[StepInput], StepOutput],
+    step_fn: Callable[[pb.StepRequest], pb.StepResponse],
+    shape: Shape,
     steps: int,
     seed: int,
-    request_bytes: Callable[[StepInput], int] | None = None,
+    request_bytes: Callable[[pb.StepRequest], int] | None = None,
     hashes: HashCounter | None = None,
     daemon_cpu_s: Callable[[], float] | None = None,
 ) -> WaitingRun:
-    """All requests arrive, then ``WARMUP_STEPS + steps`` engine steps, each measured."""
+    """All requests arrive, then ``shape.warmup_steps + steps`` engine steps, each measured."""
     rng = random.Random(f"block_pool/waiting/{seed}")
-    scheduler = Scheduler(MAX_NUM_SEQS, TOKEN_BUDGET)
-    sampling = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True)
-    for i in range(NUM_REQUESTS):
-        scheduler.add(Sequence(f"w{i}", wl.random_tokens(rng, PROMPT_TOKENS), sampling))
+    table = RequestTable(shape.max_num_seqs, shape.token_budget)
+    sampling = SamplingParams(max_new_tokens=shape.max_new_tokens, ignore_eos=True)
+    for i in range(shape.requests):
+        table.add(Sequence(f"w{i}", wl.random_tokens(rng, shape.prompt_tokens), sampling))
     out = WaitingRun()
-    for index in range(WARMUP_STEPS + steps):
-        if daemon_cpu_s is not None and index == WARMUP_STEPS:
+    in_flight: list[Work] = []  # the forward running while the next Step goes out
+    for index in range(shape.warmup_steps + steps):
+        if daemon_cpu_s is not None and index == shape.warmup_steps:
             out.daemon_cpu_s = -daemon_cpu_s()
-        step = scheduler.build_step()
-        out.waiting.append(len(scheduler.waiting))
+        msg = table.build_step([w.seq.request_id for w in in_flight])
         hashed_before = hashes.count if hashes else 0
         t0 = time.perf_counter()
-        reply = step_fn(step)
+        reply = step_fn(msg)
         out.step_ms.append((time.perf_counter() - t0) * 1e3)
         if hashes:
             out.hashes.append(hashes.count - hashed_before)
         if request_bytes:
-            out.request_bytes.append(request_bytes(step))
-        admitted = sum(1 for s in reply.scheduled if s.admitted)
-        out.trace.append((len(reply.scheduled), admitted, len(reply.preempted), reply.num_free_blocks))
-        _compute(scheduler, reply, rng)
+            out.request_bytes.append(request_bytes(msg))
+        if msg.new_requests:
+            assert out.arrival_steps == index, "arrivals in consecutive Steps from the first"
+            out.arrival_steps += 1
+        out.waiting.append(reply.num_waiting)
+        admitted = sum(1 for r in reply.scheduled.request_ids if not table.seqs[r].block_table)
+        work, _released = table.apply(reply)
+        out.trace.append((len(reply.scheduled.request_ids), admitted, len(reply.preempted), reply.num_free_blocks))
+        _read_results(table, in_flight, rng)
+        in_flight = [w for w in work if not w.seq.is_finished]
     if daemon_cpu_s is not None:
         out.daemon_cpu_s += daemon_cpu_s()
     return out
 
 
-def _compute(scheduler: Scheduler, reply: StepOutput, rng: random.Random) -> None:
-    """The model's part: every chunk computed, a token sampled where wanted."""
-    chunks, seqs = scheduler.apply(reply)
-    for chunk, seq in zip(chunks, seqs, strict=True):
-        scheduler.computed(seq, chunk)
-        if not chunk.wants_logits:
+def _read_results(table: RequestTable, forward: list[Work], rng: random.Random) -> None:
+    """The model's part, one Step late: every chunk computed, a token sampled where wanted."""
+    for w in forward:
+        seq = w.seq
+        table.computed(seq, w.end)
+        if w.end != seq.num_tokens or seq.is_finished:
             continue
-        seq.output_ids.append(rng.randrange(wl.VOCAB))
+        token = rng.randrange(wl.VOCAB)
+        seq.output_ids.append(token)
+        table.sampled(seq, token)
         if len(seq.output_ids) >= seq.params.max_new_tokens:
-            seq.finish, seq.status = Finish.LENGTH, Status.FINISHED
-        scheduler.sampled(seq)
+            seq.finish = Finish.LENGTH
+            table.finished(seq)
+
+
+def summarize(runs: list[WaitingRun], shape: Shape, steady_steps: int | None = None) -> dict[str, Any]:
+    """Steady state (after the warm-up; its first ``steady_steps`` when given)
+    and the arrival Steps apart (summed). Latency: medians over turns of each
+    turn's percentile; counts: the first turn's."""
+    end = None if steady_steps is None else shape.warmup_steps + steady_steps
+    first, steady = runs[0], slice(shape.warmup_steps, end)
+    arrival = slice(0, first.arrival_steps)
+    num_steady = len(first.step_ms[steady])
+    out = {
+        "step_p50_ms": common.median([common.median(r.step_ms[steady]) for r in runs]),
+        "step_p99_ms": common.median([common.percentile(r.step_ms[steady], 99) for r in runs]),
+        "arrival_steps": first.arrival_steps,
+        "arrival_step_ms": common.median([sum(r.step_ms[arrival]) for r in runs]),
+        "waiting_requests": shape.requests,
+        "waiting_requests_steady_min": min(first.waiting[steady]),
+        "steady_steps": num_steady,
+        "repeats": len(runs),
+        "admitted_steady": sum(t[1] for t in first.trace[steady]),
+        "preempted_steady": sum(t[2] for t in first.trace[steady]),
+        "free_blocks_steady_max": max(t[3] for t in first.trace[steady]),
+    }
+    if first.daemon_cpu_s is not None:
+        out["daemon_cpu_ms_per_step"] = common.median([r.daemon_cpu_s * 1e3 / num_steady for r in runs])
+    if first.request_bytes:
+        out["request_bytes_per_step"] = common.mean(first.request_bytes[steady])
+        out["request_bytes_per_step_max"] = max(first.request_bytes[steady])
+        out["arrival_step_request_bytes"] = sum(first.request_bytes[arrival])
+    if first.hashes:
+        out["hashes_per_step"] = common.mean(first.hashes[steady])
+        out["hashes_per_step_max"] = max(first.hashes[steady])
+        out["arrival_step_hashes"] = sum(first.hashes[arrival])
+    return out

@@ -13,8 +13,6 @@ the replica computes exactly the blocks its hashes name.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
 import threading
 from collections.abc import Iterator
@@ -37,6 +35,7 @@ from gateway.templates import (
     check_ttl,
     warm_member,
 )
+from kvd.grpc_server import StatusTable
 from kvd.hashing import chain_block_hashes, encode_extra_keys
 from kvd_api.engine.v1 import engine_pb2 as epb
 from kvd_api.gateway.v1 import gateway_pb2 as pb
@@ -46,24 +45,15 @@ log = logging.getLogger("gateway.service")
 
 VERSION = "0.1.0"
 
-_STATUS_BY_ERROR: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
+# The gateway's exceptions and the statuses callers get for them (kvd.grpc_server).
+STATUS_BY_ERROR: StatusTable = (
+    (grpc.RpcError, engine_error),  # from an engine
     (TemplateNotFound, grpc.StatusCode.NOT_FOUND),
     (TemplateExists, grpc.StatusCode.ALREADY_EXISTS),
     (StoreUnavailable, grpc.StatusCode.UNAVAILABLE),
     (NoReplica, grpc.StatusCode.UNAVAILABLE),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
 )
-
-
-def _unary(method):
-    """Runs a unary method under ``_statuses``."""
-
-    @functools.wraps(method)
-    def wrapper(self: GatewayService, request, context):
-        with self._statuses(context):
-            return method(self, request, context)
-
-    return wrapper
 
 
 class GatewayService(pb_grpc.GatewayServicer):
@@ -74,26 +64,16 @@ class GatewayService(pb_grpc.GatewayServicer):
         self.keeper = keeper
         self.auth = auth
 
-    @contextlib.contextmanager
-    def _statuses(self, context):
-        """Aborts the call with the status of a store, argument or engine error."""
-        try:
-            yield
-        except grpc.RpcError as err:  # from an engine
-            context.abort(*engine_error(err))
-        except tuple(e for e, _ in _STATUS_BY_ERROR) as exc:
-            context.abort(next(c for e, c in _STATUS_BY_ERROR if isinstance(exc, e)), str(exc))
-
     # --------------------------------------------------------- generation
 
     def Generate(self, request, context):
         principal = self.auth.authorize(context, SCOPE_GENERATE)
-        engine_request, template_tokens, key = self._engine_request(principal.tenant, request, context)
+        engine_request, template_tokens, key = self._engine_request(principal.tenant, request)
         yield from self._relay(engine_request, template_tokens, key, context)
 
     def Complete(self, request, context):
         principal = self.auth.authorize(context, SCOPE_GENERATE)
-        engine_request, template_tokens, key = self._engine_request(principal.tenant, request, context)
+        engine_request, template_tokens, key = self._engine_request(principal.tenant, request)
         whole = pb.GenerateResponse()
         for message in self._relay(engine_request, template_tokens, key, context):
             whole.token_ids.extend(message.token_ids)
@@ -104,31 +84,30 @@ class GatewayService(pb_grpc.GatewayServicer):
                 whole.usage.CopyFrom(message.usage)
         return whole
 
-    def _engine_request(self, tenant: str, request, context) -> tuple[epb.GenerateRequest, int, RouteKey]:
+    def _engine_request(self, tenant: str, request) -> tuple[epb.GenerateRequest, int, RouteKey]:
         """The engine's request (template tokens first), its template's token
         count, and what routes it."""
         out = epb.GenerateRequest(cache_salt=tenant_salt(tenant, request.cache_salt))
         out.sampling.CopyFrom(request.sampling)
         kind = request.WhichOneof("prompt")
         if kind is None and not request.template:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: give text, chat messages or token ids")
-        with self._statuses(context):
-            if request.template:
-                template = self.store.get(tenant, request.template)
-                out.token_ids.ids.extend(template.token_ids + self._prompt_ids(request, kind))
-                return out, len(template.token_ids), RouteKey(template=warm_member(tenant, request.template))
-            if not self._by_prefix() or (kind == "text" and not request.text):
-                if kind == "text":
-                    out.text = request.text
-                elif kind == "chat":
-                    out.chat.CopyFrom(request.chat)
-                else:
-                    out.token_ids.CopyFrom(request.token_ids)
-                return out, 0, RouteKey()
-            out.token_ids.ids.extend(self._prompt_ids(request, kind))
-            block_size = self.pool.any_serving().model_info().block_size
-            hashes = chain_block_hashes(out.token_ids.ids, block_size, encode_extra_keys(out.cache_salt))
-            return out, 0, RouteKey(block_hashes=tuple(hashes))
+            raise ValueError("prompt: give text, chat messages or token ids")
+        if request.template:
+            template = self.store.get(tenant, request.template)
+            out.token_ids.ids.extend(template.token_ids + self._prompt_ids(request, kind))
+            return out, len(template.token_ids), RouteKey(template=warm_member(tenant, request.template))
+        if not self._by_prefix() or (kind == "text" and not request.text):
+            if kind == "text":
+                out.text = request.text
+            elif kind == "chat":
+                out.chat.CopyFrom(request.chat)
+            else:
+                out.token_ids.CopyFrom(request.token_ids)
+            return out, 0, RouteKey()
+        out.token_ids.ids.extend(self._prompt_ids(request, kind))
+        block_size = self.pool.any_serving().model_info().block_size
+        hashes = chain_block_hashes(out.token_ids.ids, block_size, encode_extra_keys(out.cache_salt))
+        return out, 0, RouteKey(block_hashes=tuple(hashes))
 
     def _by_prefix(self) -> bool:
         """Whether a plain request's blocks should pick its replica: only when
@@ -174,7 +153,6 @@ class GatewayService(pb_grpc.GatewayServicer):
 
     # ----------------------------------------------------------- templates
 
-    @_unary
     def CreateTemplate(self, request, context):
         tenant = self.auth.authorize(context, SCOPE_TEMPLATES_WRITE).tenant
         check_name(request.name)
@@ -201,12 +179,10 @@ class GatewayService(pb_grpc.GatewayServicer):
         log.info("template created", extra={"tenant": tenant, "template": request.name, "tokens": len(token_ids)})
         return _template_pb(self.store.get(tenant, request.name), with_content=True)
 
-    @_unary
     def GetTemplate(self, request, context):
         tenant = self.auth.authorize(context, None).tenant
         return _template_pb(self.store.get(tenant, request.name), with_content=True)
 
-    @_unary
     def ListTemplates(self, request, context):
         tenant = self.auth.authorize(context, None).tenant
         templates, next_token = self.store.list(tenant, request.page_size, request.page_token)
@@ -214,14 +190,12 @@ class GatewayService(pb_grpc.GatewayServicer):
             templates=[_template_pb(t, with_content=False) for t in templates], next_page_token=next_token
         )
 
-    @_unary
     def UpdateTemplate(self, request, context):
         tenant = self.auth.authorize(context, SCOPE_TEMPLATES_WRITE).tenant
         ttl = request.ttl_seconds if request.HasField("ttl_seconds") else None
         description = request.description if request.HasField("description") else None
         return _template_pb(self.store.update(tenant, request.name, ttl, description), with_content=True)
 
-    @_unary
     def DeleteTemplate(self, request, context):
         tenant = self.auth.authorize(context, SCOPE_TEMPLATES_WRITE).tenant
         self.store.delete(tenant, request.name)
@@ -231,7 +205,6 @@ class GatewayService(pb_grpc.GatewayServicer):
 
     # ---------------------------------------------------------------- info
 
-    @_unary
     def Info(self, request, context):
         tenant = self.auth.authorize(context, None).tenant
         info = self.pool.any_serving().model_info()

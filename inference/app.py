@@ -10,8 +10,8 @@ import torch
 
 from inference import attention, model_store
 from inference.engine import Engine, EngineConfig
-from inference.service import EngineService, ModelInfo, build_server, set_health
-from kvd.client import DaemonClient, Session
+from inference.service import EngineService, ModelInfo, build_server
+from kvd.client import DaemonClient, DaemonSession
 from kvd.layout import CacheLayout
 
 log = logging.getLogger("inference.app")
@@ -49,15 +49,20 @@ class EngineApp:
         path = model_store.resolve_model(settings.model, settings.model_cache_dir or model_store.default_cache_dir())
         self.model = model_store.load_model(path, model_store.parse_dtype(self.dtype), self.device)
         self.tokenizer = model_store.load_tokenizer(path)
-        self.spec = model_store.model_layout(self.model.config, self.model.generation_config)
+        self.spec = model_store.model_spec(self.model.config, self.model.generation_config)
         self.backend = attention.choose_backend(settings.attention_backend, self.device)
         self.model.set_attn_implementation(attention.BACKENDS[self.backend])
-        self.layout = CacheLayout(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim, 1, self.dtype)
+        kv = self.spec.layout
+        self.layout = CacheLayout(kv.num_layers, kv.num_kv_heads, kv.head_dim, 1, self.dtype)
         self.engine = Engine(
             self.model,
             self.tokenizer,
             self._attach,
-            EngineConfig(max_num_seqs=settings.max_num_seqs, token_budget=settings.token_budget),
+            EngineConfig(
+                max_num_seqs=settings.max_num_seqs,
+                token_budget=settings.token_budget,
+                pipelined=self.device.startswith("cuda"),
+            ),
             eos_token_ids=set(self.spec.eos_token_ids),
             on_health=self._health_changed,
         )
@@ -72,9 +77,8 @@ class EngineApp:
             block_size=0,
         )
         service = EngineService(self.engine, self.tokenizer, self.info, prefix_caching=settings.prefix_caching)
-        self.server, self.health = build_server(service)
-        self.port = self.server.add_insecure_port(settings.listen)
-        set_health(self.health, False)
+        self.server = build_server(service)
+        self.port = self.server.add_port(settings.listen)
 
     def start(self) -> None:
         self.server.start()
@@ -86,11 +90,10 @@ class EngineApp:
         )  # fmt: skip
 
     def stop(self) -> None:
-        set_health(self.health, False)
-        self.server.stop(grace=2).wait()
+        self.server.stop(grace_s=2)
         self.engine.stop()
 
-    def _attach(self) -> Session:
+    def _attach(self) -> DaemonSession:
         client = DaemonClient.connect(self.settings.kvd_address, timeout_s=2.0)
         try:
             session = client.attach(f"engine:{self.info.name}", self.layout)
@@ -109,7 +112,7 @@ class EngineApp:
         return session
 
     def _health_changed(self, healthy: bool) -> None:
-        set_health(self.health, healthy)
+        self.server.set_serving(healthy)
 
 
 def _resolve_device(device: str) -> str:

@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 
 from kvd import logs
-from kvd.cli import default_socket, env_default
+from kvd.cli import default_socket, env_default, refuse_retired_variables
 
 log = logging.getLogger("inference")
 
@@ -37,9 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="where converted models are kept (KVD_MODEL_CACHE_DIR)",
     )
     p.add_argument(
+        "--model-dtype",
         "--dtype",
-        default=env_default("KVD_DTYPE", ""),
-        help="float64, float32 (CPU default), bfloat16 (GPU default), float16 (KVD_DTYPE)",
+        dest="dtype",
+        default=env_default("KVD_MODEL_DTYPE", ""),
+        help="the model's dtype: float64, float32 (CPU default), bfloat16 (GPU default), float16 (KVD_MODEL_DTYPE)",
     )
     p.add_argument(
         "--device", default=env_default("KVD_ENGINE_DEVICE", "auto"), help="auto, cpu or cuda[:N] (KVD_ENGINE_DEVICE)"
@@ -80,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    refuse_retired_variables("kvd-engine")
     args = build_parser().parse_args(argv)
     logs.configure(args.log_level)
     # NOTE: before torch loads OpenMP. Spinning worker threads cost 3-5x per

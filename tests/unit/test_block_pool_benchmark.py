@@ -2,7 +2,8 @@
 
 The benchmark runs for minutes; these check in about a second that its Step
 variants do the work they claim (the same hits and blocks as the manager
-variant, every request finished, no block leaked).
+variant, every request finished, no block leaked) and that its waiting
+workload sends and hashes each prompt once.
 """
 
 import dataclasses
@@ -14,6 +15,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import block_pool  # noqa: E402
+import block_pool_waiting as waiting  # noqa: E402
 import block_pool_workloads as wl  # noqa: E402
 
 
@@ -48,3 +50,24 @@ def test_batched_steps_finish_every_request_with_the_same_hits():
     assert batched.extra["deferred_admissions"] >= 7
     assert batched.cached_tokens == manager.cached_tokens
     assert 40 // wl.IN_FLIGHT < batched.extra["steps"] <= 40 // wl.IN_FLIGHT + 3
+
+
+def test_waiting_requests_are_sent_and_hashed_once():
+    shape = waiting.Shape(
+        requests=24,
+        prompt_tokens=160,
+        pool_requests=4,
+        max_new_tokens=4,
+        token_budget=192,
+        warmup_steps=8,
+    )
+    run = waiting.run_inprocess(shape, steps=24, seed=0)
+    summary = waiting.summarize([run], shape)
+    blocks_per_prompt = shape.prompt_tokens // wl.BLOCK_SIZE
+    # 4 sampled tokens never fill a block: every hash is a prompt block, once.
+    assert sum(run.hashes) == summary["arrival_step_hashes"] == shape.requests * blocks_per_prompt
+    assert summary["hashes_per_step"] == 0
+    prompt_bytes = 2 * shape.prompt_tokens  # token ids of up to 50,000 take 2-3 bytes each
+    assert summary["arrival_step_request_bytes"] > shape.requests * prompt_bytes
+    assert summary["request_bytes_per_step_max"] < prompt_bytes  # no prompt is sent again
+    assert summary["admitted_steady"] > 0 and summary["waiting_requests_steady_min"] < shape.requests - 4
