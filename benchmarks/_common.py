@@ -297,6 +297,13 @@ class KvdProcess(ChildProcess):
 # ---------------------------------------------------------------- engine
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) another process has used so far (Linux ``/proc``)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     import socket

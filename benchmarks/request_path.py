@@ -32,7 +32,7 @@ from gateway.client import GatewayClient
 ROOT = Path(__file__).resolve().parent.parent
 
 # Runs at interpreter start in every child (PYTHONPATH puts its folder first).
-SITECUSTOMIZE = '''
+SITECUSTOMIZE = """
 import os, sys, threading, time
 _out = os.environ.get("KVD_TRACE_OUT")
 if _out:
@@ -59,7 +59,7 @@ if _out:
     sys.setprofile(_profile)
     threading.setprofile(_profile)
     threading.Thread(target=_watch, daemon=True, name="trace-watch").start()
-'''
+"""
 
 
 def free_port() -> int:

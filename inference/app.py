@@ -61,7 +61,11 @@ class EngineApp:
             self.model,
             self.tokenizer,
             self._attach,
-            EngineConfig(max_num_seqs=settings.max_num_seqs, token_budget=settings.token_budget),
+            EngineConfig(
+                max_num_seqs=settings.max_num_seqs,
+                token_budget=settings.token_budget,
+                pipelined=self.device.startswith("cuda"),
+            ),
             eos_token_ids=set(self.spec.eos_token_ids),
             on_health=self._health_changed,
         )

@@ -1,8 +1,20 @@
 """The engine's step loop: one daemon Step, one forward, one sampling pass.
 
-A single thread owns the scheduler, the model and the daemon session. gRPC
-handlers talk to it through a thread-safe inbox and read each sequence's
-``events`` queue:
+The loop can be pipelined (``EngineConfig.pipelined``, on by default on a
+GPU): the Step for step N+1 is sent while forward N runs, before its sampled
+tokens are known (the daemon gives each sampling sequence
+a slot for that token; forward N's commits go in the Step for N+2):
+
+    Step N+1 ─► sample forward N ─► forward N+1 (its chunks' tokens filled
+                                    in from those samples) ─► Step N+2 ...
+
+On a GPU the Step's round trip overlaps the forward. Unpipelined, forward N's
+results are read right after it and committed in the Step for N+1. A sequence that hits EOS in
+forward N wastes at most its slot in step N+1.
+
+A single thread owns the request table, the model and the daemon session.
+gRPC handlers talk to it through a thread-safe inbox and read each
+sequence's ``events`` queue:
 
     ("tokens", token_ids, logprobs, text, top_logprobs)   as tokens are sampled
     ("finished", Finish)                    after the daemon freed its blocks
@@ -20,15 +32,29 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
+import torch
 
 from inference.detokenizer import IncrementalDetokenizer
-from inference.model_runner import ModelRunner
+from inference.model_runner import Chunk, ModelRunner
+from inference.requests import RequestTable, Work
 from inference.sampling import Sampler, make_generator
-from inference.scheduler import Scheduler
-from inference.sequence import Finish, Sequence, Status
-from kvd.client import DaemonSession
+from inference.sequence import Finish, Sequence
+from kvd.client import DaemonSession, LeaseLapsed
 
 log = logging.getLogger("inference.engine")
+
+
+@dataclass(slots=True)
+class Forward:
+    """A forward whose results are not read yet."""
+
+    work: list[Work]
+    chunks: list[Chunk]
+    logits: torch.Tensor  # rows for the chunks that want them, in order
+
+    @property
+    def request_ids(self) -> set[str]:
+        return {w.seq.request_id for w in self.work}
 
 
 @dataclass(frozen=True)
@@ -42,6 +68,12 @@ class EngineConfig:
     max_num_seqs: int = 64
     token_budget: int = 512
     reattach_interval_s: float = 0.5
+    idle_poll_s: float = 0.002  # between Steps while all our requests wait (the pool is full)
+    # Send the Step for step N+1 before reading forward N's results. It pays
+    # where the forward runs asynchronously (a GPU); on the CPU the forward is
+    # done before the next Step anyway, and lagging commits would only delay
+    # the requests waiting for a shared prefix's blocks by a step.
+    pipelined: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -64,6 +96,8 @@ class Engine:
             after the daemon was lost).
         eos_token_ids: tokens that end a sequence unless it ignores EOS.
         on_health: told True/False as the daemon session comes and goes.
+        make_runner: builds the runner on the mapped cache and block size
+            (default: a ``ModelRunner`` of ``model``; tests pass a fake).
     """
 
     def __init__(
@@ -74,6 +108,7 @@ class Engine:
         config: EngineConfig,
         eos_token_ids: set[int],
         on_health: Callable[[bool], None] = lambda healthy: None,
+        make_runner: Callable[[torch.Tensor, int], ModelRunner] | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -83,15 +118,17 @@ class Engine:
         self._on_health = on_health
         self.session: DaemonSession | None = None
         self.runner: ModelRunner | None = None
-        self.scheduler = Scheduler(config.max_num_seqs, config.token_budget)
+        self.requests = RequestTable(config.max_num_seqs, config.token_budget)
         self.sampler = Sampler()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._finished_pending: list[Sequence] = []  # released after their free reached the daemon
+        self._forward: Forward | None = None  # in flight: its results are read after the next Step
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._make_runner = make_runner or (lambda cache, block_size: ModelRunner(model, cache, block_size))
         self.steps = 0
+        self.num_preempted = 0  # requests the daemon preempted, summed over steps
         self.fatal: str | None = None  # set when the engine can never serve; the process should exit
 
     # ------------------------------------------------------------ public
@@ -133,40 +170,78 @@ class Engine:
                 self._lost_daemon(f"the KV-cache daemon is unavailable ({self.session.lost})")
                 continue
             self._drain_inbox()
-            if not self.scheduler.has_work and not self._finished_pending:
+            if not self.requests.has_work and self._forward is None:
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
             try:
-                self._step()
+                if not self._step():
+                    self._wake.wait(self.config.idle_poll_s)
+                    self._wake.clear()
             except grpc.RpcError as err:
                 self._lost_daemon(f"the KV-cache daemon is unavailable ({err.code().name}: {err.details()})")
+            except LeaseLapsed as err:
+                self._lost_daemon(f"the KV-cache daemon session lapsed ({err})")
             except Exception:  # a bug must not leave clients hanging
                 log.exception("engine step failed")
                 self._lost_daemon("internal engine error; see the engine's log")
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One Step, the last forward's sampling, the next forward. Returns
+        False when nothing ran (every request waits in the daemon)."""
         assert self.session is not None and self.runner is not None
-        step = self.scheduler.build_step()
-        released, self._finished_pending = self._finished_pending, []
-        out = self.session.step(step)
+        previous = self._forward
+        msg = self.requests.build_step(previous.request_ids if previous else ())
+        reply = self.session.step(msg)
         self.steps += 1
-        if out.preempted:
-            log.info("preempted to make room; they will recompute", extra={"requests": out.preempted})
+        if reply.preempted:
+            self.num_preempted += len(reply.preempted)
+            log.info("preempted to make room; they will recompute", extra={"requests": list(reply.preempted)})
+        work, released = self.requests.apply(reply)
+        self._forward = None
+        if previous is not None:
+            self._read_results(previous)
         for seq in released:  # their commits and frees are in the daemon now
             seq.events.put(("finished", seq.finish))
-        chunks, seqs = self.scheduler.apply(out)
-        if not chunks:
-            return
-        if out.copy_events:  # host-tier blocks still being copied into the cache (CUDA)
-            self.runner.wait_for_copies(out.copy_events)
-        logits = self.runner.forward(chunks)
+        work = [w for w in work if not w.seq.is_finished]  # finished by the results just read
+        if not work:
+            return previous is not None
+        if reply.copy_events:  # host-tier blocks still being copied into the cache (CUDA)
+            self.runner.wait_for_copies(reply.copy_events)
+        chunks = [self._chunk(w) for w in work]
+        self.session.check_lease()  # never write into blocks that may be someone else's by now
+        self._forward = Forward(work, chunks, self.runner.forward(chunks))
+        if not self.config.pipelined:
+            self._forward, forward = None, self._forward
+            self._read_results(forward)
+        return True
+
+    @staticmethod
+    def _chunk(w: Work) -> Chunk:
+        seq = w.seq
+        num_tokens = seq.num_tokens
+        if w.end > num_tokens:
+            raise RuntimeError(f"the daemon scheduled {seq.request_id} to {w.end}, past its {num_tokens} tokens")
+        in_prompt = w.end <= len(seq.prompt_ids)  # no need to join prompt and output
+        return Chunk(
+            token_ids=(seq.prompt_ids if in_prompt else seq.all_ids)[w.first : w.end],
+            first=w.first,
+            block_table=seq.block_table,
+            request_id=seq.request_id,  # its block-table row persists while it runs
+            write_from=max(w.first, w.num_cached_tokens),
+            wants_logits=w.end == num_tokens and not seq.prefill_only,
+        )
+
+    def _read_results(self, forward: Forward) -> None:
+        """Commits a finished forward's chunks and samples its sequences."""
         sampling = []
-        for chunk, seq in zip(chunks, seqs, strict=True):
-            self.scheduler.computed(seq, chunk)
+        for w, chunk in zip(forward.work, forward.chunks, strict=True):
+            seq = w.seq
+            self.requests.computed(seq, w.end)
             if chunk.wants_logits:
                 sampling.append(seq)
-            elif seq.is_finished:  # a warm-up whose prompt is now in the cache
+            elif seq.prefill_only and w.end == seq.num_tokens and not seq.is_finished:
+                seq.finish = Finish.LENGTH  # a warm-up whose prompt is now in the cache
                 self._finished(seq)
         if not sampling:
             # Reading sampled tokens waits for the forward; without any, wait
@@ -174,10 +249,11 @@ class Engine:
             # them to its host tier at once, from another process and stream.
             self.runner.wait_for_writes()
             return
-        sampled = self.sampler.sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
+        sampled = self.sampler.sample(forward.logits, [s.params for s in sampling], [s.generator for s in sampling])
         for i, seq in enumerate(sampling):
+            if seq.is_finished:  # cancelled while its forward ran: its token is dropped
+                continue
             self._append_token(seq, sampled.tokens[i], sampled.logprobs[i], sampled.top[i])
-            self.scheduler.sampled(seq)
 
     def _append_token(
         self, seq: Sequence, token: int, logprob: float, top: tuple[list[int], list[float]] | None
@@ -198,13 +274,13 @@ class Engine:
         if seq.finish is not None:
             text += "" if detok.stopped else detok.finish()
         seq.events.put(("tokens", [token], [logprob] if params.logprobs else [], text, [top] if top else []))
+        self.requests.sampled(seq, token)
         if seq.finish is not None:
             self._finished(seq)
 
     def _finished(self, seq: Sequence) -> None:
-        seq.status = Status.FINISHED
         self._detokenizers.pop(seq.request_id, None)
-        self._finished_pending.append(seq)
+        self.requests.finished(seq)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -217,12 +293,12 @@ class Engine:
                 self._detokenizers[item.request_id] = IncrementalDetokenizer(
                     self.tokenizer, item.prompt_ids, item.params.stop
                 )
-                self.scheduler.add(item)
+                self.requests.add(item)
             else:
-                seq = self.scheduler.cancel(item)
-                if seq is not None:
-                    self._detokenizers.pop(seq.request_id, None)
-                    self._finished_pending.append(seq)
+                self._detokenizers.pop(item, None)
+                seq = self.requests.cancel(item)
+                if seq is not None:  # the daemon never heard of it
+                    seq.events.put(("finished", seq.finish))
 
     # ------------------------------------------------------------ daemon
 
@@ -239,7 +315,7 @@ class Engine:
             return False
         assert session.cache is not None
         self.session = session
-        self.runner = ModelRunner(self.model, session.cache, session.layout.block_size)
+        self.runner = self._make_runner(session.cache, session.layout.block_size)
         log.info("attached to the KV-cache daemon", extra={"session": session.session_id})
         self._on_health(True)
         return True
@@ -248,16 +324,16 @@ class Engine:
         """Ends every request with an error, never with wrong tokens."""
         log.error("lost the KV-cache daemon; failing in-flight requests", extra={"error": message})
         self._drain_inbox()
-        for seq in self.scheduler.drop_all():
+        self._forward = None
+        for seq in self.requests.drop_all():
+            if seq.finish not in (None, Finish.ERROR):
+                # It has all its tokens; only its free was pending, and the
+                # daemon releases a lost session's blocks by itself.
+                seq.events.put(("finished", seq.finish))
+                continue
             seq.error = message
             seq.finish = Finish.ERROR
-            seq.status = Status.FINISHED
             seq.events.put(("error", message))
-        # These already have all their tokens; only their free was pending,
-        # and the daemon releases a lost session's blocks by itself.
-        for seq in self._finished_pending:
-            seq.events.put(("finished", seq.finish))
-        self._finished_pending = []
         self._detokenizers.clear()
         self._close_session()
         self._on_health(False)

@@ -12,12 +12,6 @@ import torch
 from inference.sampling import SamplingParams
 
 
-class Status(enum.Enum):
-    WAITING = "waiting"  # not admitted yet, or preempted
-    RUNNING = "running"  # holds blocks in the daemon
-    FINISHED = "finished"
-
-
 class Finish(enum.Enum):
     LENGTH = "length"
     STOP = "stop"
@@ -28,19 +22,18 @@ class Finish(enum.Enum):
 
 @dataclass(eq=False)
 class Sequence:
-    """A request: its tokens, its place in the daemon's blocks, its output.
+    """A request: its tokens, its block table, its output.
 
-    Token positions::
-
-        |<------------ prompt ------------>|<--- output --->|
-        |<-- computed (K/V in blocks) -->|<- scheduled ->|
+    The daemon owns its schedule (waiting, running, preempted); the engine
+    keeps what it needs to run the chunks the daemon hands out.
 
     Attributes:
         request_id: unique within the engine; also the daemon's request id.
         prompt_ids: the prompt's tokens.
         output_ids: sampled tokens so far.
-        block_table: the daemon's block ids for this sequence, in order.
-        num_computed: tokens whose K/V is in the cache (as of the last forward).
+        block_table: the daemon's block ids for this sequence, in order, as
+            its Step replies gave them (empty while it waits).
+        priority: smaller runs first (the daemon orders by it, then arrival).
         num_cached_prompt: prompt tokens served from the cache at admission.
         prefill_only: a warm-up: stop once the prompt is in the cache.
         events: what the gRPC handler streams out: (token ids, logprobs) tuples,
@@ -54,11 +47,10 @@ class Sequence:
     prefill_only: bool = False
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
-    status: Status = Status.WAITING
+    priority: int = 0
     finish: Finish | None = None
     error: str = ""
     block_table: list[int] = field(default_factory=list)
-    num_computed: int = 0
     num_cached_prompt: int = -1  # -1 until first admitted
     num_host_cached_prompt: int = 0  # of num_cached_prompt, copied back from the host tier
     generator: torch.Generator | None = None
@@ -76,10 +68,4 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status is Status.FINISHED
-
-    def reset_blocks(self) -> None:
-        """Forgets the daemon's blocks (preempted: everything is recomputed)."""
-        self.block_table = []
-        self.num_computed = 0
-        self.status = Status.WAITING
+        return self.finish is not None

@@ -2,12 +2,13 @@
 
 with DaemonClient.connect("unix:/tmp/kvd-0/kvd.sock") as client:
     session = client.attach("my-engine", layout)   # maps the KV memory
-    reply = session.step(pb.StepRequest(admissions=[...], token_budget=512))
+    reply = session.step(pb.StepRequest(new_requests=[pb.NewRequest(...)]))
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -17,7 +18,6 @@ from kvd import wire
 from kvd.auth import BearerToken
 from kvd.layout import CacheLayout
 from kvd.memory import map_kv_cache
-from kvd.step import StepInput, StepOutput
 from kvd_api.daemon.v1 import daemon_pb2 as pb
 from kvd_api.daemon.v1 import daemon_pb2_grpc as pb_grpc
 
@@ -45,13 +45,15 @@ class DaemonClient:
         """Opens a session; ``layout`` is the model's (its block size is the daemon's to choose).
 
         Raises:
-            grpc.RpcError: FAILED_PRECONDITION when the daemon's cache has another layout.
+            grpc.RpcError: FAILED_PRECONDITION when the daemon's cache has another
+                layout, or the daemon speaks another Step protocol.
         """
-        request = pb.AttachRequest(client_name=client_name)
+        request = pb.AttachRequest(client_name=client_name, protocol_version=wire.PROTOCOL_VERSION)
         if layout is not None:
             request.layout.CopyFrom(wire.layout_to_pb(layout))
             request.layout.block_size = 0  # the daemon's setting
-        return DaemonSession(self, self.stub.Attach(request), map_memory)
+        sent_at = time.monotonic()
+        return DaemonSession(self, self.stub.Attach(request), map_memory, sent_at)
 
     def lookup(self, token_ids: list[int], cache_salt: bytes = b"") -> int:
         """Cached leading tokens of ``token_ids`` (block-aligned)."""
@@ -86,6 +88,10 @@ class DaemonClient:
         self.close()
 
 
+class LeaseLapsed(Exception):
+    """The session's lease may have lapsed: its blocks may be someone else's."""
+
+
 class DaemonSession:
     """An attached session: keeps its lease alive from a background thread.
 
@@ -95,11 +101,17 @@ class DaemonSession:
         cache_id: the cache's identity; a new one after a daemon restart.
         lost: set (to the reason) when a heartbeat finds the session gone.
         cache: the mapped cache tensor ``[num_blocks, layers, 2, block, heads, dim]``.
+        lease_s: the daemon releases the session this long after the last
+            call it answered (Step or Heartbeat).
+        renewed_at: when the last answered call was sent (monotonic clock):
+            the lease runs at least until ``renewed_at + lease_s``.
     """
 
-    def __init__(self, client: DaemonClient, reply: pb.AttachResponse, map_memory: bool) -> None:
+    def __init__(self, client: DaemonClient, reply: pb.AttachResponse, map_memory: bool, sent_at: float) -> None:
         self.client = client
         self.session_id = reply.session_id
+        self.lease_s = reply.lease_s
+        self.renewed_at = sent_at
         self.layout = wire.layout_from_pb(reply.layout, reply.layout.block_size)
         self.num_blocks = reply.layout.num_blocks
         self.cache_id = reply.cache_id
@@ -114,15 +126,29 @@ class DaemonSession:
         )
         self._heartbeat.start()
 
-    def step(self, step: StepInput, timeout_s: float | None = None) -> StepOutput:
-        """One Step RPC: the same types as ``kvd.step.run_step`` in-process."""
-        reply = self.client.stub.Step(wire.step_to_pb(step, self.session_id), timeout=timeout_s)
-        return wire.step_output_from_pb(reply)
+    def step(self, request: pb.StepRequest, timeout_s: float | None = None) -> pb.StepResponse:
+        """One Step RPC (its ``session_id`` is set here); renews the lease."""
+        request.session_id = self.session_id
+        sent_at = time.monotonic()
+        reply = self.client.stub.Step(request, timeout=timeout_s)
+        self.renewed_at = max(self.renewed_at, sent_at)
+        return reply
+
+    def check_lease(self) -> None:
+        """Raises ``LeaseLapsed`` once the lease may have run out (before
+        writing into the cache: lapsed blocks may be another session's)."""
+        if time.monotonic() >= self.renewed_at + self.lease_s:
+            raise LeaseLapsed(
+                f"no answer from the daemon for {time.monotonic() - self.renewed_at:.1f}s "
+                f"(lease {self.lease_s:g}s): session {self.session_id} may be released"
+            )
 
     def _beat(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):
             try:
+                sent_at = time.monotonic()
                 self.client.stub.Heartbeat(pb.HeartbeatRequest(session_id=self.session_id), timeout=interval_s)
+                self.renewed_at = max(self.renewed_at, sent_at)
             except grpc.RpcError as err:
                 # NOT_FOUND: the daemon no longer knows us (it restarted, or our
                 # lease lapsed); UNAVAILABLE: it is gone. Either way the blocks

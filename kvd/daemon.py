@@ -17,19 +17,16 @@ import time
 from collections.abc import Callable, Sequence
 
 from kvd.block import Block
-from kvd.block_pool import BlockPool
 from kvd.cache import KVCache
-from kvd.cache_manager import KVCacheManager
 from kvd.config import DaemonConfig
 from kvd.errors import PreconditionError
 from kvd.events import EventHub
 from kvd.layout import CacheLayout
 from kvd.memory import KVMemory
-from kvd.offload import TierCopier
-from kvd.pins import PinRegistry
+from kvd.scheduler import run_step
 from kvd.session import Session, SessionRegistry
 from kvd.stats import Stats, collect_stats
-from kvd.step import StepInput, StepOutput, run_step
+from kvd_api.daemon.v1 import daemon_pb2 as pb
 
 log = logging.getLogger("kvd.daemon")
 
@@ -63,16 +60,6 @@ class Daemon:
         if self.cache is None:
             raise PreconditionError("the daemon has no cache yet: an engine must attach with its model's layout")
         return self.cache
-
-    # NOTE: the Step method's body reads the cache through these two, as it did
-    # before the split; the Step protocol's rewrite replaces them.
-    def _ready(self) -> tuple[BlockPool, KVCacheManager, PinRegistry]:
-        cache = self._cache()
-        return cache.pool, cache.manager, cache.pins
-
-    @property
-    def copier(self) -> TierCopier | None:
-        return None if self.cache is None else self.cache.copier
 
     @property
     def layout(self) -> CacheLayout | None:
@@ -161,17 +148,20 @@ class Daemon:
 
     # --------------------------------------------------------------- work
 
-    def step(self, session_id: str, step: StepInput) -> StepOutput:
+    def step(self, session_id: str, msg: pb.StepRequest) -> pb.StepResponse:
+        """One engine step: its reports applied, its next work scheduled (kvd/scheduler.py)."""
         with self.lock:
-            _, manager, _ = self._ready()
-            out = run_step(manager, self.sessions.get(session_id), step)
-            if self.copier is not None:
-                offloads, swap_ins = manager.take_copies()
-                self.copier.copy_out(offloads)
-                self.copier.copy_in(swap_ins)
-                out.copy_events = self.copier.pending_events()
+            cache = self._cache()
+            session = self.sessions.get(session_id, now=self._clock())
+            block_cap = self.sessions.fair_share(session, cache.pool.num_blocks)
+            reply = run_step(cache.manager, session, msg, block_cap)
+            if cache.copier is not None:
+                offloads, swap_ins = cache.manager.take_copies()
+                cache.copier.copy_out(offloads)
+                cache.copier.copy_in(swap_ins)
+                reply.copy_events.extend(cache.copier.pending_events())
             self._publish()
-            return out
+            return reply
 
     def drain_copies(self, timeout_s: float = 60.0) -> bool:
         """Waits until every tier copy submitted so far finished (tests, reset)."""

@@ -29,6 +29,11 @@ class Request:
         num_scheduled_tokens: tokens that have been given slots.
         num_cached_tokens: prefix tokens that were cache hits at admission.
         num_indexed_blocks: leading blocks already offered to the index.
+        priority: smaller runs first; ties go by ``arrival``.
+        arrival: the order in which its session received it.
+        max_end: no position at or past this is ever scheduled (the prompt,
+            plus the sampled tokens but the last, which is never computed).
+        last_step: the session step that last scheduled it (-1: none).
     """
 
     request_id: str
@@ -40,3 +45,12 @@ class Request:
     num_scheduled_tokens: int = 0
     num_cached_tokens: int = 0
     num_indexed_blocks: int = 0
+    priority: int = 0
+    arrival: int = 0
+    max_end: int = 0
+    last_step: int = -1
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """Its place in the schedule: priority, then arrival."""
+        return (self.priority, self.arrival)

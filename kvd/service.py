@@ -48,6 +48,12 @@ class KVDaemonService(pb_grpc.KVDaemonServicer):
         )
 
     def Attach(self, request, context):
+        version = request.protocol_version or 1
+        if version != wire.PROTOCOL_VERSION:
+            raise PreconditionError(
+                f"the engine speaks Step protocol v{version}, this daemon speaks v{wire.PROTOCOL_VERSION}: "
+                "run an engine and a daemon of the same release"
+            )
         layout = None
         if request.HasField("layout"):
             layout = wire.layout_from_pb(request.layout, self.daemon.config.block_size)
@@ -62,6 +68,8 @@ class KVDaemonService(pb_grpc.KVDaemonServicer):
             memory=wire.memory_to_pb(memory),
             heartbeat_interval_s=self.daemon.config.lease_s / 3,
             cache_id=self.daemon.cache_id,
+            protocol_version=wire.PROTOCOL_VERSION,
+            lease_s=self.daemon.config.lease_s,
         )
 
     def Heartbeat(self, request, context):
@@ -73,10 +81,10 @@ class KVDaemonService(pb_grpc.KVDaemonServicer):
 
     def Step(self, request, context):
         start = time.perf_counter()
-        out = self.daemon.step(request.session_id, wire.step_from_pb(request))
+        reply = self.daemon.step(request.session_id, request)
         if self.metrics is not None:
             self.metrics.step_seconds.observe(time.perf_counter() - start)
-        return wire.step_output_to_pb(out)
+        return reply
 
     def Lookup(self, request, context):
         hashes, on_host = self.daemon.lookup(list(request.token_ids), request.cache_salt, list(request.extra_keys))

@@ -1,55 +1,127 @@
-"""Engine sessions: who holds which requests, and for how long."""
+"""Engine sessions: who holds which requests, what waits, and for how long.
+
+A session owns its requests from arrival to release. A request waits
+(hashed once, on arrival) until the scheduler admits it, runs while it holds
+blocks, may go back to waiting when preempted, and is released when the
+engine reports it finished. ``Session.apply`` takes a Step's reports (new
+requests, commits, finished requests) after checking all of them: a bad Step
+changes nothing.
+"""
 
 from __future__ import annotations
 
+import bisect
 import secrets
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 from kvd.cache_manager import KVCacheManager
 from kvd.errors import NotFoundError
+from kvd.hashing import token_bytes
 from kvd.request import Request
+from kvd_api.daemon.v1 import daemon_pb2 as pb
 
 #: Freed request ids remembered per session, to tell a double free (a caller
 #: bug) from an id that was never known.
 _FREED_MEMORY = 4096
 
+#: Limits of a session until its engine sends its own (SessionSettings).
+DEFAULT_MAX_NUM_SEQS = 64
+DEFAULT_TOKEN_BUDGET = 512
+
+
+@dataclass(slots=True)
+class Commit:
+    """One request's entry of a Step's commits."""
+
+    request: Request
+    num_computed_tokens: int
+    new_token_ids: Sequence[int]
+
+
+@dataclass(slots=True)
+class _Checked:
+    """A validated Step's reports, ids resolved to requests."""
+
+    arrivals: list[Request]
+    commits: list[Commit]
+    finished: list[Request]
+
 
 @dataclass(eq=False)
 class Session:
-    """One attached engine and the requests it holds, oldest first."""
+    """One attached engine and its requests.
+
+    Attributes:
+        requests: every request the session holds, running or waiting.
+        running: the requests holding blocks, in admission order.
+        waiting: the requests waiting for admission, in schedule order
+            (priority, then arrival).
+        steps: how many Steps the session has sent.
+        starved: its last Step left a waiting request out for want of blocks.
+    """
 
     session_id: str
     client_name: str
     last_seen: float
     requests: dict[str, Request] = field(default_factory=dict)
+    running: dict[str, Request] = field(default_factory=dict)
+    waiting: list[Request] = field(default_factory=list)
     recently_freed: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    token_budget: int = DEFAULT_TOKEN_BUDGET
+    steps: int = 0
+    arrivals: int = 0
+    starved: bool = False
 
     def get(self, request_id: str) -> Request:
-        """The running request ``request_id``.
+        """The request ``request_id``, running or waiting.
 
         Raises:
-            ValueError: it was freed already (a double free).
+            ValueError: it was released already (a double free).
             NotFoundError: the session never had it.
         """
         request = self.requests.get(request_id)
         if request is not None:
             return request
         if request_id in self.recently_freed:
-            raise ValueError(f"request {request_id!r} was already freed")
+            raise ValueError(f"request {request_id!r} was already released")
         raise NotFoundError(f"unknown request {request_id!r} in session {self.session_id}")
 
-    def add(self, request: Request) -> None:
+    @property
+    def num_blocks_held(self) -> int:
+        return sum(len(r.blocks) for r in self.running.values())
+
+    # ------------------------------------------------------- transitions
+
+    def enqueue(self, request: Request) -> None:
+        """A new request waits for admission."""
+        self.arrivals += 1
+        request.arrival = self.arrivals
         self.recently_freed.pop(request.request_id, None)
         self.requests[request.request_id] = request
+        self._wait(request)
 
-    def newest(self) -> Request:
-        return next(reversed(self.requests.values()))
+    def started(self, request: Request) -> None:
+        """The scheduler admitted ``request``: it leaves the queue."""
+        del self.waiting[self._waiting_index(request)]
+        self.running[request.request_id] = request
+
+    def preempt(self, manager: KVCacheManager, request: Request) -> None:
+        """Frees a running request's blocks; it waits again, in its old place."""
+        manager.free(request)
+        del self.running[request.request_id]
+        self._wait(request)
 
     def release(self, manager: KVCacheManager, request: Request) -> None:
-        """Frees a request's blocks and forgets it."""
-        manager.free(request)
+        """Frees a request's blocks (if it holds any) and forgets it."""
+        if self.running.pop(request.request_id, None) is not None:
+            manager.free(request)
+        else:
+            del self.waiting[self._waiting_index(request)]
         del self.requests[request.request_id]
         self.recently_freed[request.request_id] = None
         if len(self.recently_freed) > _FREED_MEMORY:
@@ -60,6 +132,113 @@ class Session:
         for request in list(self.requests.values()):
             self.release(manager, request)
         return count
+
+    def _wait(self, request: Request) -> None:
+        bisect.insort(self.waiting, request, key=_order)
+
+    def _waiting_index(self, request: Request) -> int:
+        index = bisect.bisect_left(self.waiting, request.order, key=_order)
+        assert self.waiting[index] is request, f"{request.request_id} is not waiting"
+        return index
+
+    # --------------------------------------------------------- the Step
+
+    def apply(self, manager: KVCacheManager, msg: pb.StepRequest) -> list[str]:
+        """Takes a Step's reports, in order: settings, new requests, commits,
+        finished requests. Returns the released request ids.
+
+        Raises:
+            ValueError, NotFoundError: before any change.
+        """
+        checked = self._check(manager, msg)
+        if msg.HasField("settings"):
+            self.max_num_seqs = msg.settings.max_num_seqs
+            self.token_budget = msg.settings.token_budget
+        for request in checked.arrivals:
+            self.enqueue(request)
+        for commit in checked.commits:
+            request = commit.request
+            if request.request_id in self.running:
+                manager.apply_commit(request, commit.num_computed_tokens, commit.new_token_ids)
+            else:  # preempted while its forward ran: its tokens still count
+                request.token_ids.extend(commit.new_token_ids)
+        for request in checked.finished:
+            self.release(manager, request)
+        return [r.request_id for r in checked.finished]
+
+    def _check(self, manager: KVCacheManager, msg: pb.StepRequest) -> _Checked:
+        if msg.HasField("settings"):
+            _check_settings(msg.settings)
+        arrivals = [_new_request(manager, new, index, self) for index, new in enumerate(msg.new_requests)]
+        _unique("new_requests", [r.request_id for r in arrivals])
+        commits = self._check_commits(manager, msg.commits)
+        _unique("finished", msg.finished)
+        arriving = {r.request_id: r for r in arrivals}
+        finished = [arriving.get(rid) or self.get(rid) for rid in msg.finished]
+        return _Checked(arrivals, commits, finished)
+
+    def _check_commits(self, manager: KVCacheManager, c: pb.Commits) -> list[Commit]:
+        ids, computed, counts, tokens = (
+            c.request_ids[:],
+            c.num_computed_tokens[:],
+            c.num_new_tokens[:],
+            c.new_token_ids[:],
+        )
+        if not len(ids) == len(computed) == len(counts):
+            raise ValueError("commits: request_ids, num_computed_tokens and num_new_tokens must have the same length")
+        if any(n < 0 for n in counts) or sum(counts) != len(tokens):
+            raise ValueError("commits: num_new_tokens must be >= 0 and add up to len(new_token_ids)")
+        _unique("commits", ids)
+        token_bytes(tokens)  # one conversion checks every sampled token of the step
+        offsets = list(accumulate(counts, initial=0))
+        commits = []
+        running = self.running
+        for i, request_id in enumerate(ids):
+            request = self.get(request_id)
+            if request_id in running:
+                manager.check_commit(request, computed[i], counts[i])
+            commits.append(Commit(request, computed[i], tokens[offsets[i] : offsets[i + 1]]))
+        return commits
+
+
+def _order(request: Request) -> tuple[int, int]:
+    return request.order
+
+
+def _check_settings(settings: pb.SessionSettings) -> None:
+    if settings.max_num_seqs < 1:
+        raise ValueError(f"settings.max_num_seqs must be >= 1, got {settings.max_num_seqs}")
+    if settings.token_budget < 1:
+        raise ValueError(f"settings.token_budget must be >= 1, got {settings.token_budget}")
+
+
+def _new_request(manager: KVCacheManager, new: pb.NewRequest, index: int, session: Session) -> Request:
+    """Checks and hashes one arrival (the only time its prompt is hashed)."""
+    where = f"new_requests[{index}]"
+    if not new.request_id:
+        raise ValueError(f"{where}.request_id must not be empty")
+    if new.request_id in session.requests:
+        raise ValueError(f"{where}: request {new.request_id!r} already exists in this session")
+    if not new.prompt_token_ids:
+        raise ValueError(f"{where}.prompt_token_ids is empty (request {new.request_id!r})")
+    if new.max_new_tokens < 0:
+        raise ValueError(f"{where}.max_new_tokens must be >= 0, got {new.max_new_tokens}")
+    prompt = new.prompt_token_ids[:]
+    try:
+        token_bytes(prompt)
+    except ValueError as exc:
+        raise ValueError(f"{where}.prompt_token_ids: {exc}") from None
+    request = manager.new_request(new.request_id, prompt, new.cache_salt, new.extra_keys[:])
+    request.priority = new.priority
+    request.max_end = len(prompt) + max(new.max_new_tokens - 1, 0)
+    return request
+
+
+def _unique(what: str, request_ids: Sequence[str]) -> None:
+    if len(set(request_ids)) != len(request_ids):
+        seen: set[str] = set()
+        dup = next(r for r in request_ids if r in seen or seen.add(r))
+        raise ValueError(f"request {dup!r} appears twice in {what}")
 
 
 class SessionRegistry:
@@ -102,6 +281,16 @@ class SessionRegistry:
     def expired(self, now: float | None = None) -> list[str]:
         now = time.monotonic() if now is None else now
         return [sid for sid, s in self.sessions.items() if now - s.last_seen > self.lease_s]
+
+    def fair_share(self, session: Session, num_blocks: int) -> int | None:
+        """The blocks ``session`` may hold before it stops admitting, or None
+        (no cap): capped at an equal share while another session's waiting
+        requests did not fit the pool, so no session starves another."""
+        others_starved = any(s.starved for s in self.sessions.values() if s is not session)
+        if not others_starved:
+            return None
+        busy = sum(1 for s in self.sessions.values() if s.requests)
+        return num_blocks // max(busy, 1)
 
     @property
     def num_requests(self) -> int:

@@ -246,8 +246,8 @@ def test_daemon_rpcs(small_daemon):
         # request and its blocks, from another caller.
         session = owner.attach("fuzz-owner", map_memory=False)
         reply = owner.stub.Step(dpb.StepRequest(
-            session_id=session.session_id, token_budget=64,
-            admissions=[dpb.Admission(request_id="owned", token_ids=list(range(20)))],
+            session_id=session.session_id, settings=dpb.SessionSettings(max_num_seqs=4, token_budget=64),
+            new_requests=[dpb.NewRequest(request_id="owned", prompt_token_ids=list(range(20)))],
         ))  # fmt: skip
         assert reply.scheduled.request_ids == ["owned"]
         classes = _request_classes(dpb, service)
@@ -258,7 +258,7 @@ def test_daemon_rpcs(small_daemon):
         def step(request, aim, names):
             if aim == "own":
                 request.session_id = session.session_id
-            request.frees.extend(names)
+            request.finished.extend(names)
             tally.check("KVDaemon.Step", call(channel, service, "Step", request))
 
         step()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from kvd.step import AdmissionWork, AppendWork, CommitWork, StepInput
 from kvd_api.daemon.v1 import daemon_pb2 as pb
 
 
@@ -21,10 +20,10 @@ def served():
     daemon = start_daemon([*SMALL_LAYOUT, "--num-blocks", "32", "--max-pinned-fraction", "0.25"], folder)
     client = daemon.client()
     session = client.attach("engine")
-    session.step(StepInput(admissions=[AdmissionWork("r", list(range(12)))], token_budget=64))
-    session.step(StepInput(commits=[CommitWork("r", 12)]))
-    session.step(StepInput(admissions=[AdmissionWork("gone", [1, 2])], token_budget=64))
-    session.step(StepInput(frees=["gone"]))
+    session.step(pb.StepRequest(new_requests=[new("r", list(range(12)))]))
+    session.step(pb.StepRequest(commits=commit("r", 12)))
+    session.step(pb.StepRequest(new_requests=[new("gone", [1, 2])]))
+    session.step(pb.StepRequest(finished=["gone"]))
     yield client, session
     daemon.stop()
     shutil.rmtree(folder, ignore_errors=True)
@@ -35,55 +34,58 @@ def snapshot(client):
     return (s.num_free_blocks, s.num_cached_blocks, s.num_requests, s.num_pinned_blocks, s.evictions, s.hit_tokens)
 
 
-GOOD_ADMISSION = AdmissionWork("new", [7, 7, 7, 7, 7])
+def new(request_id, tokens, max_new_tokens=4):
+    return pb.NewRequest(request_id=request_id, prompt_token_ids=tokens, max_new_tokens=max_new_tokens)
+
+
+def commit(request_id, num_computed, sampled=()):
+    return pb.Commits(
+        request_ids=[request_id],
+        num_computed_tokens=[num_computed],
+        num_new_tokens=[len(sampled)],
+        new_token_ids=sampled,
+    )
+
+
+GOOD_NEW = new("new", [7, 7, 7, 7, 7])
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
 BAD_STEPS = {
-    "unknown request in frees": (StepInput(frees=["nope"]), grpc.StatusCode.NOT_FOUND, "unknown request 'nope'"),
-    "unknown request in appends": (
-        StepInput(appends=[AppendWork("nope", 1)], token_budget=4),
+    "unknown request finished": (
+        pb.StepRequest(finished=["nope"]),
         grpc.StatusCode.NOT_FOUND,
-        "unknown request",
+        "unknown request 'nope'",
     ),
-    "double free in one step": (
-        StepInput(frees=["r", "r"], admissions=[GOOD_ADMISSION], token_budget=8),
+    "unknown request committed": (pb.StepRequest(commits=commit("nope", 1)), grpc.StatusCode.NOT_FOUND, "unknown"),
+    "finished twice in one step": (pb.StepRequest(finished=["r", "r"], new_requests=[GOOD_NEW]), INVALID, "twice"),
+    "finished after its release": (pb.StepRequest(finished=["gone"]), INVALID, "already released"),
+    "zero token budget": (
+        pb.StepRequest(new_requests=[GOOD_NEW], settings=pb.SessionSettings(max_num_seqs=4, token_budget=0)),
         INVALID,
-        "twice",
+        "settings.token_budget",
     ),
-    "free of a freed request": (StepInput(frees=["gone"]), INVALID, "already freed"),
-    "zero tokens appended": (
-        StepInput(appends=[AppendWork("r", 0)], token_budget=4),
+    "negative max_num_seqs": (
+        pb.StepRequest(settings=pb.SessionSettings(max_num_seqs=-1, token_budget=4)),
         INVALID,
-        "num_tokens must be >= 1",
+        "settings.max_num_seqs",
     ),
-    "negative token budget": (StepInput(admissions=[GOOD_ADMISSION], token_budget=-3), INVALID, "token_budget"),
-    "empty prompt": (StepInput(admissions=[AdmissionWork("e", [])], token_budget=4), INVALID, "empty"),
-    "negative token id, after a good admission": (
-        StepInput(admissions=[GOOD_ADMISSION, AdmissionWork("neg", [1, -4])], token_budget=64),
+    "empty prompt": (pb.StepRequest(new_requests=[new("e", [])]), INVALID, "new_requests[0].prompt_token_ids is empty"),
+    "negative token id, after a good request": (
+        pb.StepRequest(new_requests=[GOOD_NEW, new("neg", [1, -4])]),
         INVALID,
-        "token ids must be integers",
+        "new_requests[1].prompt_token_ids: token ids must be integers",
     ),
-    "token id beyond 32 bits": (
-        StepInput(admissions=[AdmissionWork("big", [2**40])], token_budget=4),
+    "token id beyond 32 bits": (pb.StepRequest(new_requests=[new("big", [2**40])]), INVALID, "token ids must be"),
+    "negative max_new_tokens": (
+        pb.StepRequest(new_requests=[new("m", [1], max_new_tokens=-2)]),
         INVALID,
-        "token ids must be integers",
+        "new_requests[0].max_new_tokens",
     ),
-    "sampled token id out of range": (
-        StepInput(commits=[CommitWork("r", 12, [-1])]),
-        INVALID,
-        "token ids must be integers",
-    ),
-    "commit beyond the scheduled slots": (
-        StepInput(commits=[CommitWork("r", 13, [5])]),
-        INVALID,
-        "exceeds",
-    ),
-    "commit going backwards": (StepInput(commits=[CommitWork("r", 4)]), INVALID, "goes back"),
-    "admitting a running request again": (
-        StepInput(admissions=[AdmissionWork("r", [1])], token_budget=4),
-        INVALID,
-        "already running",
-    ),
+    "empty request id": (pb.StepRequest(new_requests=[new("", [1])]), INVALID, "new_requests[0].request_id"),
+    "sampled token id out of range": (pb.StepRequest(commits=commit("r", 12, [-1])), INVALID, "token ids must be"),
+    "commit beyond the scheduled slots": (pb.StepRequest(commits=commit("r", 13, [5])), INVALID, "exceeds"),
+    "commit going backwards": (pb.StepRequest(commits=commit("r", 4)), INVALID, "goes back"),
+    "a running request sent again": (pb.StepRequest(new_requests=[new("r", [1])]), INVALID, "already exists"),
 }
 
 
@@ -111,9 +113,7 @@ def test_misaligned_columns_are_refused(served):
     bad_tokens.commits.num_computed_tokens.append(12)
     bad_tokens.commits.num_new_tokens.append(2)
     bad_tokens.commits.new_token_ids.append(5)
-    bad_appends = pb.StepRequest(session_id=session.session_id, token_budget=4)
-    bad_appends.appends.request_ids.append("r")
-    for request, words in ((bad_commits, "same length"), (bad_tokens, "add up"), (bad_appends, "same length")):
+    for request, words in ((bad_commits, "same length"), (bad_tokens, "add up")):
         with pytest.raises(grpc.RpcError) as err:
             client.stub.Step(request)
         assert err.value.code() == INVALID and words in err.value.details()
@@ -153,8 +153,20 @@ def test_attach_with_a_nonsense_layout(served):
     client, _ = served
     layout = pb.CacheLayout(num_layers=0, num_kv_heads=2, head_dim=4, dtype=pb.DTYPE_FLOAT32)
     with pytest.raises(grpc.RpcError) as err:
-        client.stub.Attach(pb.AttachRequest(client_name="x", layout=layout))
+        client.stub.Attach(pb.AttachRequest(client_name="x", protocol_version=2, layout=layout))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "num_layers" in err.value.details()
     with pytest.raises(grpc.RpcError) as err:
-        client.stub.Attach(pb.AttachRequest(client_name="x", layout=pb.CacheLayout(num_layers=2)))
+        client.stub.Attach(pb.AttachRequest(client_name="x", protocol_version=2, layout=pb.CacheLayout(num_layers=2)))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "dtype" in err.value.details()
+
+
+def test_an_engine_of_another_protocol_version_is_refused_at_attach(served):
+    client, _ = served
+    for version in (1, 3):
+        with pytest.raises(grpc.RpcError) as err:
+            client.stub.Attach(pb.AttachRequest(client_name="old-engine", protocol_version=version))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert f"v{version}" in err.value.details() and "v2" in err.value.details()
+    reply = client.stub.Attach(pb.AttachRequest(client_name="new-engine", protocol_version=2))
+    assert reply.protocol_version == 2 and reply.lease_s > 0
+    client.stub.Detach(pb.DetachRequest(session_id=reply.session_id))

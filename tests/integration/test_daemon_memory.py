@@ -113,5 +113,5 @@ def test_a_layout_that_does_not_fit_the_budget_is_refused(daemon_factory, workdi
 def test_a_block_size_other_than_the_daemons_is_refused(daemon):
     layout = wire.layout_to_pb(CacheLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=8, dtype="float32"))
     with pytest.raises(grpc.RpcError) as err:
-        daemon.client().stub.Attach(pb.AttachRequest(client_name="bs", layout=layout))
+        daemon.client().stub.Attach(pb.AttachRequest(client_name="bs", protocol_version=2, layout=layout))
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "block_size 8" in err.value.details()

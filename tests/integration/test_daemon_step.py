@@ -14,21 +14,38 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from kvd.step import AdmissionWork, AppendWork, CommitWork, StepInput
 from kvd_api.daemon.v1 import daemon_pb2 as pb
 
 
-def admit(session, request_id, tokens, budget=1000, salt=b""):
-    return session.step(StepInput(admissions=[AdmissionWork(request_id, tokens, salt)], token_budget=budget))
+def admit(session, request_id, tokens, budget=1000, salt=b"", max_new_tokens=1):
+    new = pb.NewRequest(request_id=request_id, prompt_token_ids=tokens, cache_salt=salt, max_new_tokens=max_new_tokens)
+    settings = pb.SessionSettings(max_num_seqs=64, token_budget=budget)
+    return session.step(pb.StepRequest(new_requests=[new], settings=settings))
+
+
+def commit(request_id, num_computed, sampled=()) -> pb.Commits:
+    return pb.Commits(
+        request_ids=[request_id],
+        num_computed_tokens=[num_computed],
+        num_new_tokens=[len(sampled)],
+        new_token_ids=sampled,
+    )
+
+
+def first_row(reply) -> tuple[int, int, int, int]:
+    """(first position, tokens, cached tokens, new blocks) of the first scheduled request."""
+    s = reply.scheduled
+    return s.first_positions[0], s.num_tokens[0], s.num_cached_tokens[0], s.num_new_blocks[0]
 
 
 def run_to_completion(session, request_id, tokens, salt=b""):
-    """Admits, computes the whole prompt, commits and frees: the blocks are cached."""
+    """Admits, computes the whole prompt, commits and finishes: the blocks are cached."""
     reply = admit(session, request_id, tokens, salt=salt)
-    assert reply.scheduled[0].num_scheduled_tokens + reply.scheduled[0].first_position == len(tokens)
-    session.step(StepInput(commits=[CommitWork(request_id, len(tokens))]))
-    session.step(StepInput(frees=[request_id]))
-    return reply.scheduled[0]
+    first, num_tokens, cached, _ = first_row(reply)
+    assert first + num_tokens == len(tokens)
+    released = session.step(pb.StepRequest(commits=commit(request_id, len(tokens)), finished=[request_id]))
+    assert list(released.released) == [request_id]
+    return cached
 
 
 def cached_tokens(client, tokens, salt=b""):
@@ -39,14 +56,11 @@ def test_a_shared_prefix_is_served_from_the_cache(daemon):
     client = daemon.client()
     session = client.attach("engine")
     prefix = list(range(100, 112))  # 3 full blocks
-    first = run_to_completion(session, "a", prefix + [1, 2, 3, 4, 5])
-    assert first.num_cached_tokens == 0
-    second = admit(session, "b", prefix + [9, 9, 9]).scheduled[0]
-    assert second.num_cached_tokens == 12 and second.first_position == 12 and second.num_scheduled_tokens == 3
+    assert run_to_completion(session, "a", prefix + [1, 2, 3, 4, 5]) == 0
+    assert first_row(admit(session, "b", prefix + [9, 9, 9]))[:3] == (12, 3, 12)
     assert client.stats().hit_tokens == 12
     # Another tenant's salt never hits.
-    third = admit(session, "c", prefix + [9], salt=b"tenant-b").scheduled[0]
-    assert third.num_cached_tokens == 0
+    assert first_row(admit(session, "c", prefix + [9], salt=b"tenant-b"))[2] == 0
 
 
 def test_the_budget_counts_only_uncached_tokens_and_chunks_the_rest(daemon):
@@ -54,22 +68,16 @@ def test_the_budget_counts_only_uncached_tokens_and_chunks_the_rest(daemon):
     prefix = list(range(200, 216))  # 4 blocks
     run_to_completion(session, "a", prefix + [1])
     reply = admit(session, "b", prefix + list(range(10)), budget=6)
-    s = reply.scheduled[0]
-    assert (s.num_cached_tokens, s.first_position, s.num_scheduled_tokens) == (16, 16, 6)
-    assert len(s.new_block_ids) == 4 + 2  # the hits, then blocks for 6 new tokens only
-    nxt = session.step(
-        StepInput(commits=[CommitWork("b", 22)], appends=[AppendWork("b", 4)], token_budget=6)
-    ).scheduled[0]
-    assert (nxt.first_position, nxt.num_scheduled_tokens, len(nxt.new_block_ids)) == (22, 4, 1)
+    assert first_row(reply) == (16, 6, 16, 4 + 2)  # the hits, then blocks for 6 new tokens only
+    nxt = session.step(pb.StepRequest(commits=commit("b", 22)))
+    assert first_row(nxt) == (22, 4, 0, 1)
 
 
 def test_a_fully_cached_prompt_computes_only_its_last_token(daemon):
     session = daemon.client().attach("engine")
     prompt = list(range(300, 316))
     run_to_completion(session, "a", prompt)
-    s = admit(session, "b", prompt).scheduled[0]
-    assert (s.num_cached_tokens, s.first_position, s.num_scheduled_tokens) == (16, 15, 1)
-    assert len(s.new_block_ids) == 4  # all hits, nothing new
+    assert first_row(admit(session, "b", prompt)) == (15, 1, 16, 4)  # all hits, nothing new
 
 
 def test_eviction_is_lru_and_a_requests_tail_goes_first(daemon):
@@ -81,7 +89,7 @@ def test_eviction_is_lru_and_a_requests_tail_goes_first(daemon):
     # 32 blocks: 8 cached, 24 empty. 25 new blocks evict exactly one cached
     # block: the older request's last block.
     reply = admit(session, "big", list(range(1000, 1100)))
-    assert reply.scheduled[0].num_scheduled_tokens == 100
+    assert first_row(reply)[1] == 100
     assert cached_tokens(client, older) == 12
     assert cached_tokens(client, newer) == 16
     assert client.stats().evictions == 1
@@ -95,12 +103,12 @@ def test_pinned_blocks_survive_pressure_and_the_pin_cap_is_enforced(daemon):
     pinned = client.stub.Pin(pb.PinRequest(pin_id="tpl", token_ids=template))
     assert (pinned.num_pinned_blocks, pinned.num_pinned_tokens) == (4, 16)
     reply = admit(session, "big", list(range(2000, 2112)))  # the other 28 blocks
-    assert reply.scheduled[0].num_scheduled_tokens == 112
+    assert first_row(reply)[1] == 112
     assert cached_tokens(client, template) == 16
     stats = client.stats()
     assert stats.num_free_blocks == 0 and stats.num_pinned_blocks == 4
 
-    session.step(StepInput(frees=["big"]))
+    session.step(pb.StepRequest(finished=["big"]))
     other = list(range(700, 720))
     run_to_completion(session, "o", other)
     try:
@@ -113,25 +121,26 @@ def test_pinned_blocks_survive_pressure_and_the_pin_cap_is_enforced(daemon):
     assert client.stats().num_pinned_blocks == 0
 
 
-def test_preemption_frees_the_newest_request(daemon):
+def test_preemption_frees_the_newest_request_which_waits_again(daemon):
     session = daemon.client().attach("engine")
-    session.step(
-        StepInput(
-            admissions=[AdmissionWork("first", list(range(64))), AdmissionWork("second", list(range(100, 164)))],
-            token_budget=1000,
-        )
-    )  # 16 + 16 blocks: the pool is full
-    reply = session.step(
-        StepInput(
-            commits=[CommitWork("first", 64, [1]), CommitWork("second", 64, [2])],
-            appends=[AppendWork("first", 1), AppendWork("second", 1)],
-            admissions=[AdmissionWork("third", [5])],
-            token_budget=10,
-        )
+    new = [
+        pb.NewRequest(request_id="first", prompt_token_ids=list(range(64)), max_new_tokens=8),
+        pb.NewRequest(request_id="second", prompt_token_ids=list(range(100, 164)), max_new_tokens=8),
+    ]
+    session.step(pb.StepRequest(new_requests=new))  # 16 + 16 blocks: the pool is full
+    commits = pb.Commits(
+        request_ids=["first", "second"], num_computed_tokens=[64, 64], num_new_tokens=[1, 1], new_token_ids=[1, 2]
     )
+    third = pb.NewRequest(request_id="third", prompt_token_ids=[5], max_new_tokens=8)
+    reply = session.step(pb.StepRequest(commits=commits, new_requests=[third]))
     assert list(reply.preempted) == ["second"]
-    assert [s.request_id for s in reply.scheduled] == ["first"]
-    assert list(reply.waiting) == ["third"]  # a step that preempted admits nobody
+    assert list(reply.scheduled.request_ids) == ["first"]
+    assert reply.num_waiting == 2  # a step that preempted admits nobody
+    reply = session.step(pb.StepRequest(finished=["first", "third"]))
+    assert list(reply.released) == ["first", "third"]
+    # "second" resumes from the cache: all its committed blocks but the last,
+    # which "first"'s new block evicted (a freed request's tail goes first).
+    assert list(reply.scheduled.request_ids) == ["second"] and reply.scheduled.num_cached_tokens[0] == 60
 
 
 def test_a_killed_engines_blocks_are_released(daemon):
@@ -139,9 +148,9 @@ def test_a_killed_engines_blocks_are_released(daemon):
         """
         import sys, time
         from kvd.client import DaemonClient
-        from kvd.step import AdmissionWork, StepInput
+        from kvd_api.daemon.v1 import daemon_pb2 as pb
         session = DaemonClient.connect(sys.argv[1]).attach("doomed")
-        session.step(StepInput(admissions=[AdmissionWork("r", list(range(40)))], token_budget=100))
+        session.step(pb.StepRequest(new_requests=[pb.NewRequest(request_id="r", prompt_token_ids=range(40))]))
         print("holding", flush=True)
         time.sleep(600)
         """
@@ -169,7 +178,7 @@ def test_a_lapsed_session_is_gone(daemon):
     session._stop.set()  # stop heart-beating, as a hung engine would
     time.sleep(2.5)
     try:
-        session.step(StepInput())
+        session.step(pb.StepRequest())
         raise AssertionError("a lapsed session still answered")
     except grpc.RpcError as err:
         assert err.code() == grpc.StatusCode.NOT_FOUND and "session" in err.details()
@@ -194,7 +203,7 @@ def test_events_report_stored_removed_and_cleared_blocks(daemon):
     session = client.attach("engine")
     run_to_completion(session, "a", list(range(800, 808)))
     admit(session, "fill", list(range(900, 1028)))  # all 32 blocks: evicts both of "a"
-    session.step(StepInput(frees=["fill"]))
+    session.step(pb.StepRequest(finished=["fill"]))
     client.stub.Reset(pb.ResetRequest())
     assert done.wait(10), f"no all_cleared event; got {received}"
     stream.cancel()

@@ -11,9 +11,13 @@ from kvd.config import DaemonConfig
 from kvd.daemon import Daemon
 from kvd.errors import NotFoundError, PreconditionError
 from kvd.layout import CacheLayout
-from kvd.step import AdmissionWork, StepInput
+from kvd_api.daemon.v1 import daemon_pb2 as pb
 
 LAYOUT = CacheLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_size=4, dtype="float32")
+
+
+def arrive(request_id: str, tokens: list[int]) -> pb.StepRequest:
+    return pb.StepRequest(new_requests=[pb.NewRequest(request_id=request_id, prompt_token_ids=tokens)])
 
 
 class ManualClock:
@@ -44,7 +48,7 @@ def daemon(tmp_path, clock):
 
 def test_a_lapsed_lease_releases_the_sessions_blocks(daemon, clock):
     session, _ = daemon.attach("engine", LAYOUT)
-    daemon.step(session.session_id, StepInput(admissions=[AdmissionWork("r", list(range(9)))], token_budget=64))
+    daemon.step(session.session_id, arrive("r", list(range(9))))
     assert daemon.stats().num_free_blocks < 8
     clock.advance(4.9)
     assert daemon.reap_expired() == []
@@ -97,8 +101,9 @@ def test_events_reach_every_subscriber_and_close_ends_their_streams(tmp_path, cl
     daemon = Daemon(DaemonConfig(block_size=4, num_blocks=8, shm_dir=str(tmp_path), model_layout=LAYOUT), clock=clock)
     first, second = daemon.subscribe(), daemon.subscribe()
     session, _ = daemon.attach("engine", None)
-    daemon.step(session.session_id, StepInput(admissions=[AdmissionWork("r", list(range(9)))], token_budget=64))
-    daemon.step(session.session_id, StepInput(commits=[("r", 9, [])], frees=["r"]))
+    daemon.step(session.session_id, arrive("r", list(range(9))))
+    done = pb.Commits(request_ids=["r"], num_computed_tokens=[9], num_new_tokens=[0])
+    daemon.step(session.session_id, pb.StepRequest(commits=done, finished=["r"]))
     assert first.get_nowait() == second.get_nowait() and first.empty() is second.empty()
     daemon.unsubscribe(second)
     daemon.close()

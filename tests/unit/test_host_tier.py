@@ -12,7 +12,7 @@ from kvd.config import DaemonConfig
 from kvd.daemon import Daemon
 from kvd.host_tier import HostTier, SlotState
 from kvd.layout import CacheLayout
-from kvd.step import AdmissionWork, StepInput
+from kvd_api.daemon.v1 import daemon_pb2 as pb
 
 BS = 4
 
@@ -138,35 +138,45 @@ def daemon(tmp_path):
     d.close()
 
 
-def run(daemon, session, **work):
-    return daemon.step(session.session_id, StepInput(token_budget=64, **work))
+def run(daemon, session, new=None, done=None, finished=()):
+    """One Step: ``new`` (id, prompt) arrives, ``done`` (id, computed) commits, ``finished`` are released."""
+    msg = pb.StepRequest(finished=finished, settings=pb.SessionSettings(max_num_seqs=8, token_budget=64))
+    if new is not None:
+        msg.new_requests.add(request_id=new[0], prompt_token_ids=new[1], max_new_tokens=1)
+    if done is not None:
+        msg.commits.request_ids.append(done[0])
+        msg.commits.num_computed_tokens.append(done[1])
+        msg.commits.num_new_tokens.append(0)
+    return daemon.step(session.session_id, msg)
+
+
+def block_ids(reply) -> list[int]:
+    return list(reply.scheduled.new_block_ids)
 
 
 def test_evicted_blocks_come_back_from_the_host_with_their_bytes(daemon):
     session, memory = daemon.attach("test", None)
     cache = memory.tensor
     doc = list(range(100, 108))  # two full blocks
-    out = run(daemon, session, admissions=[AdmissionWork("a", doc + [1])])
-    blocks = out.scheduled[0].new_block_ids
-    for i, block_id in enumerate(blocks[:2]):  # the engine writes the K/V
+    out = run(daemon, session, new=("a", doc + [1]))
+    for i, block_id in enumerate(block_ids(out)[:2]):  # the engine writes the K/V
         cache[block_id].fill_(float(i + 1))
-    run(daemon, session, commits=[("a", 9, [])], frees=["a"])
+    run(daemon, session, done=("a", 9), finished=["a"])
     assert daemon.drain_copies()
     assert daemon.stats().num_host_cached_blocks == 2 and daemon.stats().num_copying_blocks == 0
     # Another prompt takes every device block: the document is evicted there.
     other = list(range(200, 216))
-    out = run(daemon, session, admissions=[AdmissionWork("b", other)])
-    for block_id in out.scheduled[0].new_block_ids:
+    out = run(daemon, session, new=("b", other))
+    for block_id in block_ids(out):
         cache[block_id].fill_(-1.0)
-    run(daemon, session, commits=[("b", 16, [])], frees=["b"])
+    run(daemon, session, done=("b", 16), finished=["b"])
     assert daemon.drain_copies()
     # The document again: served by the host tier, its bytes copied back.
-    out = run(daemon, session, admissions=[AdmissionWork("c", doc + [2])])
-    row = out.scheduled[0]
-    assert row.num_cached_tokens == 8 and row.num_host_cached_tokens == 8
-    for i, block_id in enumerate(row.new_block_ids[:2]):
+    out = run(daemon, session, new=("c", doc + [2]))
+    assert out.scheduled.num_cached_tokens[0] == 8 and out.scheduled.num_host_cached_tokens[0] == 8
+    for i, block_id in enumerate(block_ids(out)[:2]):
         assert torch.equal(cache[block_id], torch.full_like(cache[block_id], float(i + 1)))
-    run(daemon, session, frees=["c"])
+    run(daemon, session, finished=["c"])
     assert daemon.drain_copies()
     stats = daemon.stats()
     assert stats.host_hit_tokens == 8 and stats.bytes_from_host == 2 * LAYOUT.block_bytes

@@ -1,7 +1,9 @@
 """A hypothesis state machine over the whole block path: steps, pins, lookups, sessions.
 
 A small pool (16 blocks of 4 tokens) and a four-token vocabulary make prefixes collide,
-hit, get evicted and get preempted often. After every rule the pool's accounting is
+hit, get evicted and get preempted often. Each session is driven as an engine drives
+it, pipelined or not at each step: with a forward in flight, that forward's commits
+(and sampled tokens) arrive one Step late. After every rule the pool's accounting is
 checked against an independent model of who holds what and what was ever committed.
 The same machine runs once more with a host tier (24 slots) behind the pool, whose
 outgoing copies finish whenever the machine decides (the worker thread's part).
@@ -24,13 +26,14 @@ from kvd.errors import CapacityError, NotFoundError
 from kvd.hashing import chain_block_hashes, encode_extra_keys
 from kvd.host_tier import HostTier, SlotState
 from kvd.pins import PinRegistry
+from kvd.scheduler import run_step
 from kvd.session import SessionRegistry
-from kvd.step import AdmissionWork, AppendWork, CommitWork, StepInput, run_step
+from kvd_api.daemon.v1 import daemon_pb2 as pb
 
 BS = 4
 NUM_BLOCKS = 16
 PIN_CAP = 2
-MAX_TOKENS = 40  # a request stops sampling new tokens past this length
+MAX_NEW_TOKENS = 6
 SALTS = [b"", b"x", b"y"]
 PIN_IDS = ["p0", "p1", "p2"]
 TOKEN = st.integers(0, 3)
@@ -47,10 +50,52 @@ def chain(tokens: list[int], salt: bytes) -> list[bytes]:
 
 @dataclass
 class ModelRequest:
-    tokens: list[int]
+    """A request as the daemon should see it, and as its engine knows it."""
+
+    tokens: list[int]  # the daemon's: prompt and committed samples
     salt: bytes
-    computed: int
-    scheduled: int
+    max_end: int  # no position at or past this is ever scheduled
+    computed: int = 0
+    scheduled: int = 0
+    running: bool = False
+    engine_tokens: list[int] | None = None  # the engine's: every sample so far
+    max_tokens: int = 0  # prompt + max_new_tokens: the engine finishes it there
+
+
+@dataclass
+class Row:
+    request_id: str
+    first: int
+    num_tokens: int
+    num_cached: int
+    num_new_blocks: int
+
+    @property
+    def end(self) -> int:
+        return self.first + self.num_tokens
+
+
+def rows_of(reply: pb.StepResponse) -> list[Row]:
+    s = reply.scheduled
+    return [
+        Row(*r)
+        for r in zip(s.request_ids, s.first_positions, s.num_tokens, s.num_cached_tokens, s.num_new_blocks, strict=True)
+    ]
+
+
+def admitted_flags(rows: list[Row], running_before: dict[str, bool]) -> list[bool]:
+    """Per row: whether its request was running before the step (False: admitted by it)."""
+    return [running_before[r.request_id] for r in rows]
+
+
+def commits_pb(pending: dict[str, tuple[int, list[int]]]) -> pb.Commits:
+    ids = list(pending)
+    return pb.Commits(
+        request_ids=ids,
+        num_computed_tokens=[pending[r][0] for r in ids],
+        num_new_tokens=[len(pending[r][1]) for r in ids],
+        new_token_ids=[t for r in ids for t in pending[r][1]],
+    )
 
 
 class PoolMachine(RuleBasedStateMachine):
@@ -58,6 +103,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
+        self.next_forward: list[Row] = []
         self.pool = BlockPool(NUM_BLOCKS, record_events=True)
         self.host = HostTier(HOST_SLOTS, record=self.pool.record) if self.with_host_tier else None
         self.manager = KVCacheManager(self.pool, BS, self.host)
@@ -66,8 +112,11 @@ class PoolMachine(RuleBasedStateMachine):
         self.sessions = [self.registry.open("e0"), self.registry.open("e1")]
         self.pins = PinRegistry(self.pool, PIN_CAP)
         # The model.
-        self.live: list[dict[str, ModelRequest]] = [{}, {}]  # per session, in admission order
-        self.parked: list[dict[str, ModelRequest]] = [{}, {}]  # freed or preempted: may resume
+        self.live: list[dict[str, ModelRequest]] = [{}, {}]  # per session, in arrival order
+        self.released: list[list[str]] = [[], []]  # per session: ids whose release was confirmed
+        self.forward: list[list[Row] | None] = [None, None]  # per session: a forward not sampled yet
+        self.pending: list[dict[str, tuple[int, list[int]]]] = [{}, {}]  # sampled, not committed yet
+        self.finishing: list[set[str]] = [set(), set()]  # done in the engine, not reported yet
         self.committed: set[tuple[bytes, tuple[int, ...]]] = set()  # (salt, full-block prefix) ever computed
         self.committed_hashes: set[bytes] = set()
         self.pinned: dict[str, list[int]] = {}
@@ -139,6 +188,10 @@ class PoolMachine(RuleBasedStateMachine):
                 for s in self.sessions
             ],
             [list(s.recently_freed) for s in self.sessions],
+            [
+                (list(s.running), [r.request_id for r in s.waiting], s.token_budget, s.max_num_seqs)
+                for s in self.sessions
+            ],
             {pid: [b.block_id for b in blocks] for pid, blocks in self.pins.pins.items()},
             self.host_snapshot(),
         )
@@ -164,212 +217,193 @@ class PoolMachine(RuleBasedStateMachine):
 
     # -------------------------------------------------------------- rules
 
-    @rule(data=st.data(), sid=st.integers(0, 1), budget=st.integers(1, 24))
-    def step(self, data, sid, budget):
-        """Random but valid work: commit anything scheduled, with or without sampled tokens."""
+    def draw_new_requests(self, data) -> list[pb.NewRequest]:
+        new = []
+        for _ in range(data.draw(st.integers(0, 2), label="num new requests")):
+            tokens, salt = self.draw_tokens(data, max_size=24)
+            max_new = data.draw(st.integers(0, MAX_NEW_TOKENS), label="max_new_tokens")
+            priority = data.draw(st.integers(0, 2), label="priority")
+            new.append(
+                pb.NewRequest(
+                    request_id=self.new_id(),
+                    prompt_token_ids=tokens,
+                    cache_salt=salt,
+                    max_new_tokens=max_new,
+                    priority=priority,
+                )
+            )
+        return new
+
+    def sample_forward(self, data, sid: int) -> None:
+        """The engine reads the forward's results: computed tokens, and a
+        sampled token for each chunk that ended at its last known token."""
+        forward, self.forward[sid] = self.forward[sid], None
+        for row in forward or []:
+            req = self.live[sid].get(row.request_id)
+            if req is None or row.request_id in self.finishing[sid]:
+                continue
+            computed, sampled = self.pending[sid].get(row.request_id, (0, []))
+            engine = req.engine_tokens
+            if row.end == len(engine) and len(engine) < req.max_tokens:
+                token = data.draw(TOKEN, label="sampled")
+                engine.append(token)
+                sampled = [*sampled, token]
+            self.pending[sid][row.request_id] = (row.end, sampled)
+            if len(engine) >= req.max_tokens or data.draw(st.integers(0, 11), label="stop") == 0:
+                self.finishing[sid].add(row.request_id)
+
+    @rule(data=st.data(), sid=st.integers(0, 1), pipelined=st.booleans(), budget=st.integers(1, 24))
+    def engine_step(self, data, sid, pipelined, budget):
+        """What an engine sends: new requests, the commits of every forward but
+        the one in flight, finished requests that no forward still writes."""
+        if not pipelined:
+            self.sample_forward(data, sid)
+        in_flight = {r.request_id for r in self.forward[sid] or []}
         live = self.live[sid]
-        commits, frees, appends = [], [], []
-        new_tokens: dict[str, list[int]] = {}
-        for rid, req in live.items():
-            if data.draw(st.booleans(), label=f"commit {rid}"):
-                k = 0 if len(req.tokens) >= MAX_TOKENS else data.draw(st.integers(0, 2), label="sampled")
-                sampled = data.draw(st.lists(TOKEN, min_size=k, max_size=k), label="sampled ids")
-                upto = min(req.scheduled, len(req.tokens) + k)
-                target = data.draw(st.integers(req.computed, upto), label="num_computed")
-                commits.append(CommitWork(rid, target, sampled))
-                new_tokens[rid] = sampled
-            action = data.draw(st.sampled_from(["none", "append", "append", "free"]), label=f"act {rid}")
-            if action == "free":
-                frees.append(rid)
-            elif action == "append":
-                appends.append(AppendWork(rid, data.draw(st.integers(1, 6), label="num_tokens")))
-        admissions = self.draw_admissions(data, sid)
+        cancels = [r for r in live if r not in in_flight and data.draw(st.integers(0, 15), label="cancel") == 0]
+        self.finishing[sid].update(cancels)
+        finished = sorted(r for r in self.finishing[sid] if r not in in_flight)
+        msg = pb.StepRequest(
+            new_requests=self.draw_new_requests(data),
+            commits=commits_pb(self.pending[sid]),
+            finished=finished,
+            forward_in_flight=bool(in_flight),
+        )
+        if data.draw(st.booleans(), label="settings"):
+            msg.settings.CopyFrom(pb.SessionSettings(max_num_seqs=data.draw(st.integers(1, 6)), token_budget=budget))
         self.finish_copies(data)
-        self.run_and_check(sid, StepInput(commits, frees, appends, admissions, budget), new_tokens)
+        self.run_and_check(sid, msg)
+        if pipelined:
+            self.sample_forward(data, sid)
+        self.forward[sid] = [r for r in self.next_forward if r.request_id not in self.finishing[sid]]
 
-    @rule(data=st.data(), sid=st.integers(0, 1), budget=st.integers(4, 32))
-    def engine_step(self, data, sid, budget):
-        """What a real engine sends: commit what ran, finish or continue each request, admit more."""
-        commits, frees, appends = [], [], []
-        new_tokens: dict[str, list[int]] = {}
-        for rid, req in self.live[sid].items():
-            prefill_done = req.scheduled >= len(req.tokens)
-            sampled = [data.draw(TOKEN, label="sampled")] if prefill_done and len(req.tokens) < MAX_TOKENS else []
-            commits.append(CommitWork(rid, min(req.scheduled, len(req.tokens) + len(sampled)), sampled))
-            new_tokens[rid] = sampled
-            remaining = len(req.tokens) + len(sampled) - req.scheduled
-            if remaining <= 0 or data.draw(st.integers(0, 9), label="finish") == 0:
-                frees.append(rid)
-            else:
-                appends.append(AppendWork(rid, remaining))
-        admissions = self.draw_admissions(data, sid)
-        self.finish_copies(data)
-        self.run_and_check(sid, StepInput(commits, frees, appends, admissions, budget), new_tokens)
-
-    def draw_admissions(self, data, sid: int) -> list[AdmissionWork]:
-        admissions: list[AdmissionWork] = []
-        for _ in range(data.draw(st.integers(0, 2), label="num admissions")):
-            parked = [rid for rid in self.parked[sid] if rid not in {a.request_id for a in admissions}]
-            if parked and data.draw(st.booleans(), label="resume"):
-                rid = data.draw(st.sampled_from(parked), label="resumed id")
-                old = self.parked[sid][rid]
-                admissions.append(AdmissionWork(rid, list(old.tokens), old.salt))
-            else:
-                tokens, salt = self.draw_tokens(data, max_size=24)
-                admissions.append(AdmissionWork(self.new_id(), tokens, salt))
-        return admissions
-
-    def run_and_check(self, sid: int, work: StepInput, new_tokens: dict[str, list[int]]) -> None:
-        """Runs one step and checks its output against the model, then updates the model."""
+    def run_and_check(self, sid: int, msg: pb.StepRequest) -> None:
+        """Runs one step and checks its reply against the model, then updates the model."""
         session, live = self.sessions[sid], self.live[sid]
-        commits, frees, appends, admissions = work.commits, work.frees, work.appends, work.admissions
-        budget = work.token_budget
-
-        out = run_step(self.manager, session, work)
+        reply = run_step(self.manager, session, msg)
         offloads, swap_ins = self.manager.take_copies()
         self.copies_out += offloads
         for slot, block in swap_ins:  # without a GPU a swap-in is done within its step
             assert block.block_hash == slot.block_hash and block.ref_cnt >= 1
             self.host.end_read([slot])
 
-        for commit in commits:
-            req = live[commit.request_id]
-            req.tokens.extend(new_tokens[commit.request_id])
-            req.computed = commit.num_computed_tokens
-            self.record_commit(req)
+        for new in msg.new_requests:
+            tokens = list(new.prompt_token_ids)
+            live[new.request_id] = ModelRequest(
+                tokens,
+                new.cache_salt,
+                max_end=len(tokens) + max(new.max_new_tokens - 1, 0),
+                engine_tokens=list(tokens),
+                max_tokens=len(tokens) + new.max_new_tokens,
+            )
+        c = msg.commits
+        offset = 0
+        for rid, computed, count in zip(c.request_ids, c.num_computed_tokens, c.num_new_tokens, strict=True):
+            req = live[rid]
+            req.tokens.extend(c.new_token_ids[offset : offset + count])
+            offset += count
+            if req.running:
+                req.computed = computed
+                self.record_commit(req)
             self.remember(req.tokens, req.salt)
-        for rid in frees:
-            self.parked[sid][rid] = live.pop(rid)
+        self.pending[sid] = {}
+        assert list(reply.released) == list(msg.finished)
+        for rid in msg.finished:
+            live.pop(rid)
+            self.finishing[sid].discard(rid)
+            self.released[sid].append(rid)
 
-        # Preemption takes the session's newest requests, newest first.
-        newest_first = list(reversed(live))
-        assert out.preempted == newest_first[: len(out.preempted)]
-        for rid in out.preempted:
-            self.parked[sid][rid] = live.pop(rid)
+        # Preemption takes running requests, lowest priority and newest first.
+        for rid in reply.preempted:
+            req = live[rid]
+            assert req.running
+            req.running, req.computed, req.scheduled = False, 0, 0
 
-        appended = [s for s in out.scheduled if not s.admitted]
-        admitted = [s for s in out.scheduled if s.admitted]
-        assert [s.request_id for s in appended] == [
-            a.request_id for a in appends if a.request_id in {s.request_id for s in appended}
-        ]
-        left = budget
-        for append in appends:
-            if out.preempted:
-                break
-            match = [s for s in appended if s.request_id == append.request_id]
-            if left <= 0:
-                assert match == []
-                continue
-            (s,) = match
-            assert s.num_scheduled_tokens == min(append.num_tokens, left)
-            left -= s.num_scheduled_tokens
-        for s in appended:
-            req = live[s.request_id]
-            assert s.first_position == req.scheduled
-            assert s.num_cached_tokens == 0
-            requested = next(a.num_tokens for a in appends if a.request_id == s.request_id)
-            assert 1 <= s.num_scheduled_tokens <= requested
-            assert len(s.new_block_ids) == blocks_for(req.scheduled + s.num_scheduled_tokens) - blocks_for(
-                req.scheduled
-            )
-            req.scheduled += s.num_scheduled_tokens
-
-        # Admissions, in priority order: scheduled, or deferred (its next block
-        # is another request's to compute), until the first that does not fit.
-        order = [a.request_id for a in admissions]
-        waiting = set(out.waiting)
-        assert sorted([s.request_id for s in admitted] + out.waiting, key=order.index) == order
-        assert [r for r in order if r not in waiting] == [s.request_id for s in admitted]
-        if out.preempted:
-            assert admitted == []
-        blocked = [a for a in admissions if a.request_id in waiting and not self.deferred(a)]
-        for adm in blocked[1:]:  # everything behind the first one that did not fit waits too
-            assert order.index(adm.request_id) > order.index(blocked[0].request_id)
-        scheduled_admissions = [a for a in admissions if a.request_id not in waiting]
-        for adm, s in zip(scheduled_admissions, admitted, strict=True):
-            tokens = list(adm.token_ids)
-            self.assert_cached_prefix_was_committed(tokens, adm.cache_salt, s.num_cached_tokens)
-            assert s.first_position == min(s.num_cached_tokens, len(tokens) - 1)
-            assert s.num_scheduled_tokens == min(len(tokens) - s.first_position, left)
-            assert len(s.new_block_ids) == blocks_for(s.first_position + s.num_scheduled_tokens)
-            left -= s.num_scheduled_tokens
-            self.parked[sid].pop(adm.request_id, None)
-            live[adm.request_id] = ModelRequest(
-                tokens, adm.cache_salt, s.first_position, s.first_position + s.num_scheduled_tokens
-            )
-            self.remember(tokens, adm.cache_salt)
-        if blocked and not out.preempted and left > 0:
-            self.assert_admission_really_did_not_fit(blocked[0], left)
-        assert out.num_free_blocks == self.pool.num_free
-
-    def deferred(self, adm: AdmissionWork) -> bool:
-        """Whether the admission's first uncached block is in flight (another
-        request admitted to compute it, not committed yet)."""
-        hashes = chain(list(adm.token_ids), adm.cache_salt)
-        hits = self.cached_prefix(hashes)
-        return len(hits) < len(hashes) and hashes[len(hits)] in self.manager.inflight
-
-    def assert_admission_really_did_not_fit(self, adm: AdmissionWork, budget: int) -> None:
-        # Nothing changes after a refused admission, so the pool is as admit() saw it.
-        hashes = chain(list(adm.token_ids), adm.cache_salt)
-        cached = self.cached_prefix(hashes)
-        hits = [c for c in cached if c is not None]
-        first = min(len(cached) * BS, len(adm.token_ids) - 1)
-        num_new = min(len(adm.token_ids) - first, budget)
-        needed = max(0, blocks_for(first + num_new) - len(hits))
-        free_hits = sum(1 for b in hits if b.ref_cnt == 0)
-        assert needed + free_hits > self.pool.num_free, f"{adm.request_id} waited but fit"
+        rows = rows_of(reply)
+        live_before = {rid: r.running for rid, r in live.items()}
+        assert len({r.request_id for r in rows}) == len(rows)
+        assert sum(r.num_tokens for r in rows) <= session.token_budget
+        if reply.preempted:
+            assert all(live[r.request_id].running for r in rows), "a step that preempted admits nobody"
+        for row in rows:
+            req = live[row.request_id]
+            assert row.num_tokens >= 1
+            if req.running:
+                assert row.first == req.scheduled and row.num_cached == 0
+                assert row.num_new_blocks == blocks_for(row.end) - blocks_for(req.scheduled)
+            else:  # admitted now
+                self.assert_cached_prefix_was_committed(req.tokens, req.salt, row.num_cached)
+                assert row.first == min(row.num_cached, len(req.tokens) - 1)
+                assert row.num_new_blocks == blocks_for(row.end)
+                req.running, req.computed = True, row.first
+                self.remember(req.tokens, req.salt)
+            # Never past the prompt and samples' last computed position, nor more
+            # than one token past what the daemon knows (the speculative slot).
+            assert row.end <= max(req.max_end, len(req.tokens))
+            assert row.end <= len(req.tokens) + (1 if msg.forward_in_flight else 0)
+            req.scheduled = row.end
+        if any(not was_running for was_running in admitted_flags(rows, live_before)):
+            assert sum(1 for r in live.values() if r.running) <= session.max_num_seqs
+        self.next_forward = rows
+        assert reply.num_waiting == sum(1 for r in live.values() if not r.running)
+        assert reply.num_free_blocks == self.pool.num_free
 
     @rule(data=st.data(), sid=st.integers(0, 1))
     def bad_step(self, data, sid):
         live = self.live[sid]
-        kinds = ["free unknown", "bad token", "zero budget", "empty tokens", "empty id"]
+        running = [r for r, req in live.items() if req.running]
+        kinds = ["finish unknown", "bad token", "zero budget", "empty tokens", "empty id", "negative max_new_tokens"]
         if live:
-            kinds += ["double free", "append zero", "admit running", "commit beyond slots", "commit twice"]
-        if any(r.computed > 0 for r in live.values()):
+            kinds += ["double finish", "new request known", "commit twice"]
+        if running:
+            kinds += ["commit beyond slots"]
+        if any(live[r].computed > 0 for r in running):
             kinds += ["commit backwards"]
-        if self.parked[sid]:
-            kinds += ["free freed"]
+        if self.released[sid]:
+            kinds += ["finish released"]
         kind = data.draw(st.sampled_from(kinds), label="bad kind")
         rid = data.draw(st.sampled_from(list(live)), label="target") if live else None
         tokens, salt = self.draw_tokens(data)
-        good_admission = AdmissionWork(self.new_id(), tokens, salt)
-        commits, frees, appends, admissions, budget = [], [], [], [good_admission], 16
-        if live:  # a valid append to some request other than the target
-            others = [r for r in live if r != rid]
-            if others:
-                appends.append(AppendWork(data.draw(st.sampled_from(others), label="good append"), 1))
+        new = [pb.NewRequest(request_id=self.new_id(), prompt_token_ids=tokens, cache_salt=salt, max_new_tokens=2)]
+        msg = pb.StepRequest()
+        commits: dict[str, tuple[int, list[int]]] = {}
         error: type[Exception] = ValueError
-        if kind == "free unknown":
-            frees, error = ["nobody"], NotFoundError
-        elif kind == "free freed":
-            frees = [data.draw(st.sampled_from(list(self.parked[sid])), label="freed id")]
+        if kind == "finish unknown":
+            msg.finished.append("nobody")
+            error = NotFoundError
+        elif kind == "finish released":
+            msg.finished.append(data.draw(st.sampled_from(self.released[sid]), label="released id"))
         elif kind == "bad token":
-            bad = data.draw(st.sampled_from([-1, 2**32, 1.5, "2"]), label="bad token")
-            admissions.append(AdmissionWork(self.new_id(), [*tokens, bad], salt))
+            bad = data.draw(st.sampled_from([-1, 2**32]), label="bad token")
+            new.append(pb.NewRequest(request_id=self.new_id(), prompt_token_ids=[*tokens, bad]))
         elif kind == "zero budget":
-            budget = 0
+            msg.settings.CopyFrom(pb.SessionSettings(max_num_seqs=4, token_budget=0))
         elif kind == "empty tokens":
-            admissions.append(AdmissionWork(self.new_id(), []))
+            new.append(pb.NewRequest(request_id=self.new_id()))
         elif kind == "empty id":
-            admissions.append(AdmissionWork("", [1]))
-        elif kind == "double free":
-            frees = [rid, rid]
-        elif kind == "append zero":
-            appends.append(AppendWork(rid, 0))
-        elif kind == "admit running":
-            admissions.append(AdmissionWork(rid, [1, 2, 3]))
+            new.append(pb.NewRequest(prompt_token_ids=[1]))
+        elif kind == "negative max_new_tokens":
+            new.append(pb.NewRequest(request_id=self.new_id(), prompt_token_ids=[1], max_new_tokens=-1))
+        elif kind == "double finish":
+            msg.finished.extend([rid, rid])
+        elif kind == "new request known":
+            new.append(pb.NewRequest(request_id=rid, prompt_token_ids=[1, 2, 3]))
         elif kind == "commit beyond slots":
-            commits = [CommitWork(rid, live[rid].scheduled + 1, [1] * (live[rid].scheduled + 1))]
+            rid = data.draw(st.sampled_from(running), label="running target")
+            commits = {rid: (live[rid].scheduled + 1, [1] * (live[rid].scheduled + 1))}
         elif kind == "commit twice":
-            commits = [CommitWork(rid, live[rid].computed)] * 2
+            msg.commits.request_ids.extend([rid, rid])
+            msg.commits.num_computed_tokens.extend([live[rid].computed] * 2)
+            msg.commits.num_new_tokens.extend([0, 0])
         elif kind == "commit backwards":
-            rid = next(r for r, req in live.items() if req.computed > 0)
-            commits = [CommitWork(rid, live[rid].computed - 1)]
-        admissions = data.draw(st.permutations(admissions), label="admission order")
+            rid = next(r for r in running if live[r].computed > 0)
+            commits = {rid: (live[rid].computed - 1, [])}
+        if commits:
+            msg.commits.CopyFrom(commits_pb(commits))
+        msg.new_requests.extend(data.draw(st.permutations(new), label="new request order"))
         before = self.snapshot()
         with pytest.raises(error):
-            run_step(self.manager, self.sessions[sid], StepInput(commits, frees, appends, admissions, budget))
+            run_step(self.manager, self.sessions[sid], msg)
         assert self.snapshot() == before
 
     @rule(data=st.data())
@@ -425,8 +459,8 @@ class PoolMachine(RuleBasedStateMachine):
         if what == "close session":
             assert self.registry.close(self.sessions[sid].session_id, self.manager) == len(self.live[sid])
             self.sessions[sid] = self.registry.open(f"e{sid}")
-            self.live[sid] = {}
-            self.parked[sid] = {}
+            self.live[sid], self.released[sid], self.forward[sid] = {}, [], None
+            self.pending[sid], self.finishing[sid] = {}, set()
             return
         before = self.snapshot()
         if self.pool.num_free < NUM_BLOCKS:
@@ -518,6 +552,7 @@ class PoolMachine(RuleBasedStateMachine):
     def sessions_match_the_model(self):
         for session, live in zip(self.sessions, self.live, strict=True):
             assert list(session.requests) == list(live)
+            assert set(session.running) == {rid for rid, r in live.items() if r.running}
             for rid, model in live.items():
                 request = session.requests[rid]
                 assert request.token_ids == model.tokens
@@ -549,7 +584,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     @invariant()
     def inflight_blocks_belong_to_running_requests(self):
-        running = {id(r) for session in self.sessions for r in session.requests.values()}
+        running = {id(r) for session in self.sessions for r in session.running.values()}
         for block_hash, request in self.manager.inflight.items():
             assert id(request) in running, "a finished request still claims an in-flight block"
             assert block_hash in request.block_hashes[request.num_indexed_blocks :]
@@ -560,8 +595,8 @@ class PoolMachine(RuleBasedStateMachine):
             self.pool.copy_finished(block)
             self.host.written(slot)
         for session, live in zip(self.sessions, self.live, strict=True):
-            run_step(self.manager, session, StepInput(frees=list(live)))
-            assert session.requests == {}
+            run_step(self.manager, session, pb.StepRequest(finished=list(live)))
+            assert session.requests == {} and session.waiting == []
         for pin_id in list(self.pinned):
             self.pins.unpin(pin_id)
         assert self.pool.num_free == NUM_BLOCKS

@@ -100,26 +100,32 @@ class DescribeResponse(_message.Message):
     def __init__(self, ready: _Optional[bool] = ..., layout: _Optional[_Union[CacheLayout, _Mapping]] = ..., memory: _Optional[_Union[MemoryHandle, _Mapping]] = ..., cache_id: _Optional[str] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("client_name", "layout")
+    __slots__ = ("client_name", "layout", "protocol_version")
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     client_name: str
     layout: CacheLayout
-    def __init__(self, client_name: _Optional[str] = ..., layout: _Optional[_Union[CacheLayout, _Mapping]] = ...) -> None: ...
+    protocol_version: int
+    def __init__(self, client_name: _Optional[str] = ..., layout: _Optional[_Union[CacheLayout, _Mapping]] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("session_id", "layout", "memory", "heartbeat_interval_s", "cache_id")
+    __slots__ = ("session_id", "layout", "memory", "heartbeat_interval_s", "cache_id", "protocol_version", "lease_s")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     layout: CacheLayout
     memory: MemoryHandle
     heartbeat_interval_s: float
     cache_id: str
-    def __init__(self, session_id: _Optional[str] = ..., layout: _Optional[_Union[CacheLayout, _Mapping]] = ..., memory: _Optional[_Union[MemoryHandle, _Mapping]] = ..., heartbeat_interval_s: _Optional[float] = ..., cache_id: _Optional[str] = ...) -> None: ...
+    protocol_version: int
+    lease_s: float
+    def __init__(self, session_id: _Optional[str] = ..., layout: _Optional[_Union[CacheLayout, _Mapping]] = ..., memory: _Optional[_Union[MemoryHandle, _Mapping]] = ..., heartbeat_interval_s: _Optional[float] = ..., cache_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., lease_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -143,6 +149,22 @@ class DetachResponse(_message.Message):
     released_requests: int
     def __init__(self, released_requests: _Optional[int] = ...) -> None: ...
 
+class NewRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "cache_salt", "extra_keys", "priority", "max_new_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_salt: bytes
+    extra_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    priority: int
+    max_new_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[bytes] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., priority: _Optional[int] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
+
 class Commits(_message.Message):
     __slots__ = ("request_ids", "num_computed_tokens", "num_new_tokens", "new_token_ids")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -155,75 +177,63 @@ class Commits(_message.Message):
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., new_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
-class Appends(_message.Message):
-    __slots__ = ("request_ids", "num_tokens")
-    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
-    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    request_ids: _containers.RepeatedScalarFieldContainer[str]
-    num_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
-
-class Admission(_message.Message):
-    __slots__ = ("request_id", "token_ids", "cache_salt", "extra_keys")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
-    EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    cache_salt: bytes
-    extra_keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[bytes] = ..., extra_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+class SessionSettings(_message.Message):
+    __slots__ = ("max_num_seqs", "token_budget")
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    max_num_seqs: int
+    token_budget: int
+    def __init__(self, max_num_seqs: _Optional[int] = ..., token_budget: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("session_id", "commits", "frees", "appends", "admissions", "token_budget")
+    __slots__ = ("session_id", "new_requests", "commits", "finished", "forward_in_flight", "settings")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     COMMITS_FIELD_NUMBER: _ClassVar[int]
-    FREES_FIELD_NUMBER: _ClassVar[int]
-    APPENDS_FIELD_NUMBER: _ClassVar[int]
-    ADMISSIONS_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    SETTINGS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
+    new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     commits: Commits
-    frees: _containers.RepeatedScalarFieldContainer[str]
-    appends: Appends
-    admissions: _containers.RepeatedCompositeFieldContainer[Admission]
-    token_budget: int
-    def __init__(self, session_id: _Optional[str] = ..., commits: _Optional[_Union[Commits, _Mapping]] = ..., frees: _Optional[_Iterable[str]] = ..., appends: _Optional[_Union[Appends, _Mapping]] = ..., admissions: _Optional[_Iterable[_Union[Admission, _Mapping]]] = ..., token_budget: _Optional[int] = ...) -> None: ...
+    finished: _containers.RepeatedScalarFieldContainer[str]
+    forward_in_flight: bool
+    settings: SessionSettings
+    def __init__(self, session_id: _Optional[str] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., commits: _Optional[_Union[Commits, _Mapping]] = ..., finished: _Optional[_Iterable[str]] = ..., forward_in_flight: _Optional[bool] = ..., settings: _Optional[_Union[SessionSettings, _Mapping]] = ...) -> None: ...
 
 class Scheduled(_message.Message):
-    __slots__ = ("request_ids", "admitted", "first_positions", "num_scheduled_tokens", "num_cached_tokens", "num_new_blocks", "new_block_ids", "num_host_cached_tokens")
+    __slots__ = ("request_ids", "first_positions", "num_tokens", "num_cached_tokens", "num_new_blocks", "new_block_ids", "num_host_cached_tokens")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
-    ADMITTED_FIELD_NUMBER: _ClassVar[int]
     FIRST_POSITIONS_FIELD_NUMBER: _ClassVar[int]
-    NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_HOST_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
-    admitted: _containers.RepeatedScalarFieldContainer[bool]
     first_positions: _containers.RepeatedScalarFieldContainer[int]
-    num_scheduled_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_cached_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_new_blocks: _containers.RepeatedScalarFieldContainer[int]
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_host_cached_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., admitted: _Optional[_Iterable[bool]] = ..., first_positions: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_host_cached_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., first_positions: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_host_cached_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("scheduled", "preempted", "waiting", "num_free_blocks", "copy_events")
+    __slots__ = ("scheduled", "preempted", "released", "num_waiting", "num_free_blocks", "copy_events")
     SCHEDULED_FIELD_NUMBER: _ClassVar[int]
     PREEMPTED_FIELD_NUMBER: _ClassVar[int]
-    WAITING_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     COPY_EVENTS_FIELD_NUMBER: _ClassVar[int]
     scheduled: Scheduled
     preempted: _containers.RepeatedScalarFieldContainer[str]
-    waiting: _containers.RepeatedScalarFieldContainer[str]
+    released: _containers.RepeatedScalarFieldContainer[str]
+    num_waiting: int
     num_free_blocks: int
     copy_events: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, scheduled: _Optional[_Union[Scheduled, _Mapping]] = ..., preempted: _Optional[_Iterable[str]] = ..., waiting: _Optional[_Iterable[str]] = ..., num_free_blocks: _Optional[int] = ..., copy_events: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    def __init__(self, scheduled: _Optional[_Union[Scheduled, _Mapping]] = ..., preempted: _Optional[_Iterable[str]] = ..., released: _Optional[_Iterable[str]] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., copy_events: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("token_ids", "cache_salt", "extra_keys")

@@ -1,0 +1,176 @@
+"""The engine's requests and its half of the Step contract.
+
+The daemon owns every request's schedule (kvd/scheduler.py). The engine keeps
+its sequences by id and their block tables as the replies gave them, and
+reports, once per step, what happened since the last Step:
+
+- new requests, each prompt sent once;
+- commits: per sequence, the tokens now computed and the tokens sampled;
+- finished requests (done or cancelled), once no forward in flight still
+  writes their blocks (their blocks must not go to another engine while it
+  does).
+
+The reply says what to compute (a chunk and block-table delta per sequence),
+whom the daemon preempted (their tables are dropped; they wait in the daemon
+and are recomputed later) and whose blocks are released.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from itertools import accumulate
+
+from inference.sequence import Finish, Sequence
+from kvd_api.daemon.v1 import daemon_pb2 as pb
+
+#: Prompt tokens sent in one Step at most (at least one request goes): a burst
+#: of long prompts is spread over Steps, each far below gRPC's 4 MB message
+#: limit (a token id takes at most 5 bytes on the wire).
+MAX_PROMPT_TOKENS_PER_STEP = 131_072
+
+
+@dataclass(slots=True)
+class Work:
+    """A sequence's chunk of one step: compute positions [first, first + num_tokens)."""
+
+    seq: Sequence
+    first: int
+    num_tokens: int
+    num_cached_tokens: int  # at admission: the prefix the cache served
+
+    @property
+    def end(self) -> int:
+        return self.first + self.num_tokens
+
+
+class RequestTable:
+    """The engine's sequences by id; not thread-safe (the engine loop owns it).
+
+    Args:
+        max_num_seqs: the most sequences the daemon may run at once for us.
+        token_budget: the most tokens it may schedule in one step.
+    """
+
+    def __init__(self, max_num_seqs: int, token_budget: int) -> None:
+        self.settings = pb.SessionSettings(max_num_seqs=max_num_seqs, token_budget=token_budget)
+        self.seqs: dict[str, Sequence] = {}
+        self._unsent: dict[str, Sequence] = {}  # new, not told to the daemon yet
+        self._commits: dict[str, tuple[int, list[int]]] = {}  # id -> (computed tokens, sampled since)
+        self._finished: dict[str, Sequence] = {}  # done, not reported yet
+        self._settings_due = True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.seqs)
+
+    @property
+    def num_unsent(self) -> int:
+        return len(self._unsent)
+
+    def add(self, seq: Sequence) -> None:
+        self.seqs[seq.request_id] = seq
+        self._unsent[seq.request_id] = seq
+
+    def cancel(self, request_id: str) -> Sequence | None:
+        """Marks a sequence cancelled. Returns it when it can be dropped at
+        once (the daemon never heard of it); otherwise its free is reported in
+        a coming Step and it comes back through ``apply`` as released."""
+        seq = self.seqs.get(request_id)
+        if seq is None or request_id in self._finished:
+            return None
+        seq.finish = seq.finish or Finish.CANCELLED
+        if self._unsent.pop(request_id, None) is not None:
+            del self.seqs[request_id]
+            return seq
+        self._finished[request_id] = seq
+        return None
+
+    def finished(self, seq: Sequence) -> None:
+        """``seq`` is done (its finish set): report it."""
+        self._finished[seq.request_id] = seq
+
+    def computed(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """A forward wrote the K/V of ``seq``'s tokens up to this position."""
+        entry = self._commits.get(seq.request_id)
+        self._commits[seq.request_id] = (num_computed_tokens, entry[1] if entry else [])
+
+    def sampled(self, seq: Sequence, token: int) -> None:
+        """A token was appended to ``seq`` (computed tokens are reported by ``computed``)."""
+        entry = self._commits.get(seq.request_id)
+        if entry is None:
+            self._commits[seq.request_id] = entry = (0, [])
+        entry[1].append(token)
+
+    # ------------------------------------------------------------- Step
+
+    def build_step(self, in_flight: Collection[str] = ()) -> pb.StepRequest:
+        """The next Step's reports. ``in_flight``: the ids in a forward whose
+        results are not known yet (their finishes wait for it)."""
+        msg = pb.StepRequest(forward_in_flight=bool(in_flight))
+        if self._settings_due:
+            msg.settings.CopyFrom(self.settings)
+            self._settings_due = False
+        sent_tokens = 0
+        for seq in list(self._unsent.values()):
+            if sent_tokens and sent_tokens + len(seq.prompt_ids) > MAX_PROMPT_TOKENS_PER_STEP:
+                break  # the rest go in the next Step
+            sent_tokens += len(seq.prompt_ids)
+            del self._unsent[seq.request_id]
+            msg.new_requests.add(
+                request_id=seq.request_id,
+                prompt_token_ids=seq.prompt_ids,
+                cache_salt=seq.cache_salt,
+                priority=seq.priority,
+                max_new_tokens=0 if seq.prefill_only else seq.params.max_new_tokens,
+            )
+        if self._commits:
+            c = msg.commits
+            ids = list(self._commits)
+            c.request_ids.extend(ids)
+            c.num_computed_tokens.extend([self._commits[r][0] for r in ids])
+            c.num_new_tokens.extend([len(self._commits[r][1]) for r in ids])
+            c.new_token_ids.extend([t for r in ids for t in self._commits[r][1]])
+            self._commits = {}
+        done = [rid for rid in self._finished if rid not in in_flight]
+        for rid in done:
+            del self._finished[rid]
+        msg.finished.extend(done)
+        return msg
+
+    def apply(self, reply: pb.StepResponse) -> tuple[list[Work], list[Sequence]]:
+        """Takes the daemon's answer.
+
+        Returns:
+            This step's work (finished sequences left out: a slot given for a
+            token after their last is wasted, never computed), and the
+            released sequences, which the engine forgets.
+        """
+        seqs = self.seqs
+        for request_id in reply.preempted:
+            seqs[request_id].block_table = []
+        released = [seqs.pop(request_id) for request_id in reply.released]
+        s = reply.scheduled
+        block_ids = s.new_block_ids[:]
+        offsets = list(accumulate(s.num_new_blocks, initial=0))
+        host_cached = s.num_host_cached_tokens[:]
+        work = []
+        for i, (request_id, first, num_tokens, cached) in enumerate(
+            zip(s.request_ids, s.first_positions, s.num_tokens, s.num_cached_tokens, strict=True)
+        ):
+            seq = seqs[request_id]
+            if not seq.block_table and seq.num_cached_prompt < 0:  # its first admission
+                seq.num_cached_prompt = min(cached, len(seq.prompt_ids))
+                seq.num_host_cached_prompt = min(host_cached[i] if host_cached else 0, seq.num_cached_prompt)
+            seq.block_table.extend(block_ids[offsets[i] : offsets[i + 1]])
+            if not seq.is_finished:
+                work.append(Work(seq, first, num_tokens, cached))
+        return work, released
+
+    def drop_all(self) -> list[Sequence]:
+        """Forgets every sequence (the daemon is gone); returns them."""
+        seqs = list(self.seqs.values())
+        self.seqs.clear()
+        self._unsent, self._commits, self._finished = {}, {}, {}
+        self._settings_due = True
+        return seqs

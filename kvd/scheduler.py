@@ -1,0 +1,196 @@
+"""What a session computes next: the daemon's scheduling policy, as plain code.
+
+One call per Step, on the session's state after its reports were applied
+(``Session.apply``). Requests are served in schedule order (priority, then
+arrival), under the session's token budget:
+
+    budget ──► decodes (running requests wanting one token; never stalled
+           │   by long prefills)
+           ├─► prefill chunks of running requests
+           └─► admissions from the waiting queue while fewer than
+               max_num_seqs run (prefix-aware: cached tokens are free;
+               one whose next prompt block another request is computing
+               waits for it and lets a few behind it go)
+
+A running request wants every known token it has no slot for, and, while
+the engine's forward is in flight (commits lag one step), one speculative
+slot for the token that forward samples for it. When the pool cannot serve
+a running request, the last request in schedule order (lowest priority,
+newest) is preempted (its blocks freed; it waits again and is recomputed
+later) until the request fits or was itself preempted. A step that had to
+preempt admits nobody: there is no room.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvd.block import Block
+from kvd.cache_manager import DEFERRED, KVCacheManager
+from kvd.request import Request
+from kvd.session import Session
+from kvd_api.daemon.v1 import daemon_pb2 as pb
+
+#: Waiting requests (deferred behind another's blocks) the admission loop may
+#: look past in one step; bounds the work a long queue adds to a Step.
+ADMISSION_LOOKAHEAD = 8
+
+
+@dataclass(slots=True)
+class _Row:
+    request: Request
+    first_position: int
+    num_tokens: int
+    new_blocks: list[Block]
+    num_cached_tokens: int = 0
+    num_host_cached_tokens: int = 0
+
+
+def run_step(
+    manager: KVCacheManager, session: Session, msg: pb.StepRequest, block_cap: int | None = None
+) -> pb.StepResponse:
+    """Applies a Step's reports and schedules the next work; returns the reply
+    (without ``copy_events``, which the daemon adds).
+
+    Raises ``ValueError`` / ``NotFoundError`` before any change on bad input.
+    """
+    released = session.apply(manager, msg)
+    reply = schedule(manager, session, msg.forward_in_flight, block_cap)
+    reply.released.extend(released)
+    return reply
+
+
+def schedule(
+    manager: KVCacheManager, session: Session, forward_in_flight: bool, block_cap: int | None = None
+) -> pb.StepResponse:
+    """This step's work for ``session``.
+
+    Args:
+        forward_in_flight: the engine runs a forward whose commits are not in
+            yet: requests it samples get one speculative slot.
+        block_cap: admit nothing while the session holds this many blocks
+            (its fair share while another session starves); None: no cap.
+    """
+    session.steps += 1
+    rows: list[_Row] = []
+    preempted: list[str] = []
+    budget = _schedule_running(manager, session, forward_in_flight, rows, preempted)
+    session.starved = False
+    if not preempted and budget > 0 and (block_cap is None or session.num_blocks_held < block_cap):
+        _admit(manager, session, budget, rows)
+    for row in rows:
+        row.request.last_step = session.steps
+    reply = _reply(rows)
+    reply.preempted.extend(preempted)
+    reply.num_waiting = len(session.waiting)
+    reply.num_free_blocks = manager.pool.num_free
+    return reply
+
+
+def wanted_tokens(request: Request, forward_in_flight: bool, step: int) -> int:
+    """Tokens a running request wants scheduled in step ``step``."""
+    known = len(request.token_ids)
+    end = known
+    # Its last chunk ended at its last known token, in the forward now in
+    # flight: that forward samples its next token, whose slot we give now.
+    if forward_in_flight and request.last_step == step - 1 and request.num_scheduled_tokens == known:
+        end = known + 1
+    return max(0, min(end, request.max_end) - request.num_scheduled_tokens)
+
+
+def _schedule_running(
+    manager: KVCacheManager, session: Session, forward_in_flight: bool, rows: list[_Row], preempted: list[str]
+) -> int:
+    """Serves running requests, decodes first; returns the budget left."""
+    budget = session.token_budget
+    decodes: list[tuple[Request, int]] = []
+    prefills: list[tuple[Request, int]] = []
+    for request in sorted(session.running.values(), key=_order):
+        wanted = wanted_tokens(request, forward_in_flight, session.steps)
+        if wanted:
+            (decodes if wanted == 1 else prefills).append((request, wanted))
+    for request, wanted in decodes + prefills:
+        if budget <= 0:
+            break
+        if request.request_id not in session.running:  # preempted by an earlier one
+            continue
+        num_tokens = min(wanted, budget)
+        first = request.num_scheduled_tokens
+        new_blocks = manager.append(request, num_tokens)
+        if new_blocks is None:
+            new_blocks = _preempt_until_fits(manager, session, request, num_tokens, preempted)
+            if new_blocks is None:
+                continue
+        budget -= num_tokens
+        rows.append(_Row(request, first, num_tokens, new_blocks))
+    if preempted:  # a request preempted after being scheduled gives its tokens back
+        gone = set(preempted)
+        budget += sum(r.num_tokens for r in rows if r.request.request_id in gone)
+        rows[:] = [r for r in rows if r.request.request_id not in gone]
+    return budget
+
+
+def _preempt_until_fits(
+    manager: KVCacheManager, session: Session, request: Request, num_tokens: int, preempted: list[str]
+) -> list[Block] | None:
+    """Preempts the last running request in schedule order until ``request``
+    gets its slots (returns its new blocks), or was itself preempted (None)."""
+    while True:
+        victim = max(session.running.values(), key=_order)
+        session.preempt(manager, victim)
+        preempted.append(victim.request_id)
+        if victim is request:
+            return None
+        new_blocks = manager.append(request, num_tokens)
+        if new_blocks is not None:
+            return new_blocks
+
+
+def _admit(manager: KVCacheManager, session: Session, budget: int, rows: list[_Row]) -> None:
+    room = session.max_num_seqs - len(session.running)
+    deferred = 0
+    for request in list(session.waiting):
+        if room <= 0 or budget <= 0:
+            return
+        admitted = manager.admit(request, budget)
+        if admitted is DEFERRED:  # waits for another request's blocks; the next in line may go
+            deferred += 1
+            if deferred >= ADMISSION_LOOKAHEAD:
+                return
+            continue
+        if admitted is None:  # budget > 0, so the pool is short
+            session.starved = True
+            return
+        session.started(request)
+        room -= 1
+        budget -= admitted.num_scheduled_tokens
+        rows.append(
+            _Row(
+                request,
+                admitted.first_position,
+                admitted.num_scheduled_tokens,
+                admitted.blocks,
+                admitted.num_cached_tokens,
+                admitted.num_host_cached_tokens,
+            )
+        )
+
+
+def _reply(rows: list[_Row]) -> pb.StepResponse:
+    # NOTE: whole columns are extended at once; per-element appends to a
+    # repeated field cost several times more at 64+ rows.
+    reply = pb.StepResponse()
+    s = reply.scheduled
+    s.request_ids.extend([r.request.request_id for r in rows])
+    s.first_positions.extend([r.first_position for r in rows])
+    s.num_tokens.extend([r.num_tokens for r in rows])
+    s.num_cached_tokens.extend([r.num_cached_tokens for r in rows])
+    s.num_new_blocks.extend([len(r.new_blocks) for r in rows])
+    s.new_block_ids.extend([b.block_id for r in rows for b in r.new_blocks])
+    if any(r.num_host_cached_tokens for r in rows):
+        s.num_host_cached_tokens.extend([r.num_host_cached_tokens for r in rows])
+    return reply
+
+
+def _order(request: Request) -> tuple[int, int]:
+    return request.order

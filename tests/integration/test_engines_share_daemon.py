@@ -1,0 +1,48 @@
+"""Two real engines of the same model on one daemon: shared cache, separate fates.
+
+(The same with a fake model, under preemption and for fairness between
+sessions: tests/integration/test_step_pipeline.py.)
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+from tests.conftest import blocks_held, start_daemon, start_engine, wait_for
+from tests.integration.engine_client import generate, request, stub
+
+DOC = list(range(2000, 2080))  # 80 tokens: 5 full blocks of 16
+LONG = list(range(3000, 3100))
+
+
+def test_two_engines_hit_each_others_prompts_and_one_death_spares_the_other(workdir, model_dir):
+    daemon = start_daemon(["--block-size", "16", "--num-blocks", "256", "--lease-s", "1"], workdir)
+    args = ["--model", str(model_dir), "--dtype", "float64"]
+    first, second = start_engine(daemon, args, workdir), start_engine(daemon, args, workdir)
+    try:
+        one, two = stub(first.address), stub(second.address)
+        tokens_one, _, last = generate(one, request(DOC + [5, 6, 7], 6))
+        assert last.usage.cached_prompt_tokens == 0
+        # The second engine finds the first one's blocks, and computes the same tokens.
+        tokens_two, _, last = generate(two, request(DOC + [5, 6, 7], 6))
+        assert last.usage.cached_prompt_tokens == 80 and tokens_two == tokens_one
+        _, _, last = generate(one, request(DOC + [9], 4))
+        assert last.usage.cached_prompt_tokens == 80
+
+        # The first engine dies (SIGKILL) while both generate.
+        expected, _, _ = generate(two, request(LONG, 24))
+        results: dict[str, list[int]] = {}
+        survivor = threading.Thread(target=lambda: results.setdefault("two", generate(two, request(LONG, 24))[0]))
+        doomed_stream = one.Generate(request(LONG[::-1], 400))
+        next(doomed_stream)
+        survivor.start()
+        first.stop(signal.SIGKILL)
+        survivor.join(120)
+        assert results.get("two") == expected
+        # The daemon releases the dead engine's blocks when its lease lapses.
+        assert wait_for(lambda: blocks_held(daemon) == 0, 15)
+    finally:
+        first.stop(signal.SIGKILL)
+        second.stop()
+        daemon.stop()
