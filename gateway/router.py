@@ -1,24 +1,30 @@
-"""Which engine replica serves a request: prefix affinity, bounded by load.
+"""Which engine replica serves a request: by estimated time to first token.
 
-The ``affinity`` policy, for one request:
+The ``cost`` policy (the default), for one request, among the replicas whose
+gRPC health is SERVING:
 
-1. Candidates are the replicas whose gRPC health is SERVING.
-2. The affinity target:
-   - a templated request goes to the replica its template is pinned on (the
-     keeper places it, see ``place``), else to the first replica of the
-     template's rendezvous order;
-   - any other request goes to the replica holding the longest run of the
-     prompt's leading block hashes, as its daemon announced them (block
-     events); when none holds its first block, to the first replica of the
-     first block's rendezvous order, so that requests sharing a new prefix
-     meet on one replica before any event says where it is;
-   - a prompt without a full block has no affinity: the least loaded.
-3. Load bound: a target already running ``load`` requests takes one more only
-   while ``load + 1 <= factor * mean + slack``, ``mean`` being the requests in
-   flight per candidate with this one counted; past that it spills to the
-   least-loaded candidate (its cache misses cost less than the queue).
+1. The blocks each replica already holds: the longest run of the prompt's
+   leading block hashes its daemon announced (in any tier), found by one walk
+   over the request's blocks for every replica together (``BlockIndex``); a
+   templated request's template counts as held where it is pinned (the keeper
+   places it, see ``place``), else on the first replica of its rendezvous order.
+2. The time to first token each replica would give it: the prefill work queued
+   there (the uncached prompt tokens of its waiting and prefilling requests, as
+   its engine last reported them, plus this gateway's requests sent since) and
+   this request's own uncached tokens, over the replica's measured prefill rate
+   (a fixed time per forward plus a time per token). The request's own tokens
+   weigh ``work_weight`` times queued ones: a cache miss is paid again by the
+   turns that follow, a queue drains by itself.
+3. The minimum wins; ties go by rendezvous order on the request's first block
+   that not every candidate holds (a common system prompt says nothing: the
+   conversation's own first block spreads new conversations evenly, and keeps
+   a conversation's turns together).
 
-The ``round-robin`` policy takes the candidates in turn (a baseline).
+The ``affinity`` policy (the previous default, kept as a baseline): the
+template's replica, else the longest run (ties: the first by address), else
+the first block's rendezvous order; bounded by load (a target running ``load``
+requests takes one more while ``load + 1 <= factor * mean + slack``, past that
+the least loaded). ``round-robin`` takes the candidates in turn.
 
 Rendezvous (highest-random-weight) hashing ranks replicas by
 ``sha256(address ‖ key)``: every gateway ranks alike, and a replica that comes
@@ -29,11 +35,15 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import math
 import threading
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-POLICIES = ("affinity", "round-robin")
+from gateway.block_index import DEVICE, HOST, BlockIndex, run_length
+
+POLICIES = ("cost", "affinity", "round-robin")
 
 #: A block event as the router takes it: (kind, block hashes, tier), kind
 #: one of "stored", "removed", "cleared".
@@ -52,19 +62,58 @@ class RouteKey:
         template: ``tenant/name`` of the request's template, or "".
         block_hashes: the chained hashes of the prompt's leading full blocks,
             with the request's cache salt (as the daemon computes them).
+        num_tokens: the prompt's tokens (template included); 0: unknown, taken
+            as the full blocks' tokens.
+        block_size: tokens per block.
+        template_blocks: the template's full blocks (the leading ones).
     """
 
     template: str = ""
     block_hashes: tuple[bytes, ...] = ()
+    num_tokens: int = 0
+    block_size: int = 16
+    template_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class Load:
+    """An engine's load report.
+
+    Attributes:
+        queued_tokens: uncached prompt tokens of its waiting and prefilling requests.
+        running: requests it runs (prefilling or decoding).
+        free_blocks: its daemon's free blocks.
+        forward_s: measured fixed time of one forward pass.
+        token_s: measured time per prompt token in a forward pass.
+        token_budget: tokens per forward (longer prompts take several).
+    """
+
+    queued_tokens: int = 0
+    running: int = 0
+    free_blocks: int = 0
+    forward_s: float = 0.0
+    token_s: float = 0.0
+    token_budget: int = 0
+
+
+@dataclass(frozen=True)
+class Route:
+    """A choice: where, and the prompt tokens that replica will have to compute."""
+
+    address: str
+    uncached_tokens: int
 
 
 @dataclass(slots=True)
 class ReplicaState:
     address: str
+    slot: int
     serving: bool = False
     in_flight: int = 0
-    #: block hash -> the tiers it is stored in: held while stored in any tier.
-    held: dict[bytes, set[int]] = field(default_factory=dict)
+    load: Load | None = None
+    load_at: float = -math.inf  # when the last report arrived
+    #: this gateway's requests not yet past their first token: ticket -> (sent at, uncached tokens)
+    pending: dict[int, tuple[float, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -74,20 +123,33 @@ class ReplicaView:
     address: str
     serving: bool
     in_flight: int
-    known_blocks: int  # blocks its daemon announced as cached
+    known_blocks: int  # blocks its daemon announced as cached on the device
+    known_host_blocks: int = 0  # ... and in its host tier
+    load: Load | None = None
 
 
 @dataclass(frozen=True)
 class RouterConfig:
     """Attributes:
-    policy: "affinity" or "round-robin".
+    policy: "cost", "affinity" or "round-robin".
     load_factor: how far above the mean load an affinity target may go.
     load_slack: requests a target may take above ``load_factor * mean``.
+    work_weight: how much more a request's own uncached token weighs than a
+        queued one (cost policy; 1: the plain TTFT estimate).
+    report_lag_s: a load report covers this gateway's requests sent at least
+        this long before it arrived (the engine reports on change).
+    forward_s, token_s, token_budget: the prefill rate assumed for a replica
+        that has not reported one yet.
     """
 
-    policy: str = "affinity"
+    policy: str = "cost"
     load_factor: float = 1.5
     load_slack: float = 2.0
+    work_weight: float = 2.0
+    report_lag_s: float = 0.05
+    forward_s: float = 0.02
+    token_s: float = 1e-4
+    token_budget: int = 2048
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -96,6 +158,10 @@ class RouterConfig:
             raise ValueError(f"load_factor must be >= 1, got {self.load_factor}")
         if self.load_slack < 0:
             raise ValueError(f"load_slack must be >= 0, got {self.load_slack}")
+        if self.work_weight <= 0:
+            raise ValueError(f"work_weight must be > 0, got {self.work_weight}")
+        if self.report_lag_s < 0 or self.forward_s < 0 or self.token_s <= 0 or self.token_budget < 1:
+            raise ValueError("report_lag_s and forward_s must be >= 0, token_s > 0 and token_budget >= 1")
 
 
 def rendezvous(key: bytes, addresses: Iterable[str]) -> list[str]:
@@ -106,14 +172,20 @@ def rendezvous(key: bytes, addresses: Iterable[str]) -> list[str]:
 class Router:
     """The replicas' health, load and cached prefixes, and the choice among them.
 
-    Thread-safe: RPC threads choose, the monitor and event relays update.
+    Thread-safe: RPC threads choose, the monitor and the event and load relays update.
+
+    Args:
+        clock: seconds, monotonic (the simulator gives its own).
     """
 
-    def __init__(self, config: RouterConfig = RouterConfig()) -> None:  # noqa: B008 (frozen)
+    def __init__(self, config: RouterConfig = RouterConfig(), clock: Callable[[], float] = time.monotonic) -> None:  # noqa: B008
         self.config = config
+        self._clock = clock
         self._replicas: dict[str, ReplicaState] = {}
+        self._index = BlockIndex()
         self._placed: dict[str, str] = {}  # template -> the replica it is pinned on
         self._turn = itertools.count()
+        self._tickets = itertools.count(1)
         self._lock = threading.Lock()
 
     # ----------------------------------------------------------- replicas
@@ -122,10 +194,12 @@ class Router:
         """The replicas now (a DNS name resolves to others): new ones start not serving."""
         wanted = set(addresses)
         with self._lock:
-            for address in wanted - self._replicas.keys():
-                self._replicas[address] = ReplicaState(address)
             for address in self._replicas.keys() - wanted:
-                del self._replicas[address]
+                self._index.clear(self._replicas.pop(address).slot)
+            used = {r.slot for r in self._replicas.values()}
+            free = (s for s in itertools.count() if s not in used)
+            for address in sorted(wanted - self._replicas.keys()):
+                self._replicas[address] = ReplicaState(address, next(free))
 
     def set_serving(self, address: str, serving: bool) -> None:
         with self._lock:
@@ -143,11 +217,14 @@ class Router:
     def snapshot(self) -> list[ReplicaView]:
         with self._lock:
             return [
-                ReplicaView(r.address, r.serving, r.in_flight, len(r.held))
+                ReplicaView(
+                    r.address, r.serving, r.in_flight,
+                    self._index.known(r.slot, DEVICE), self._index.known(r.slot, HOST), r.load,
+                )
                 for r in sorted(self._replicas.values(), key=lambda r: r.address)
             ]
 
-    # ------------------------------------------------------------- events
+    # ------------------------------------------------------- events, load
 
     def apply(self, address: str, events: Iterable[Event]) -> None:
         """Updates what ``address`` holds from its daemon's block events."""
@@ -155,24 +232,28 @@ class Router:
             replica = self._replicas.get(address)
             if replica is None:
                 return
-            held = replica.held
             for kind, hashes, tier in events:
                 if kind == "stored":
-                    for h in hashes:
-                        held.setdefault(h, set()).add(tier)
+                    self._index.stored(replica.slot, tier, hashes)
                 elif kind == "removed":
-                    for h in hashes:
-                        tiers = held.get(h)
-                        if tiers is not None:
-                            tiers.discard(tier)
-                            if not tiers:
-                                del held[h]
+                    self._index.removed(replica.slot, tier, hashes)
                 else:
-                    held.clear()
+                    self._index.clear(replica.slot)
 
     def forget(self, address: str) -> None:
         """Drops what ``address`` was known to hold (its event stream broke)."""
         self.apply(address, [("cleared", (), 0)])
+
+    def report_load(self, address: str, load: Load) -> None:
+        with self._lock:
+            if (replica := self._replicas.get(address)) is not None:
+                replica.load, replica.load_at = load, self._clock()
+
+    def forget_load(self, address: str) -> None:
+        """Its load stream broke: back to this gateway's own requests only."""
+        with self._lock:
+            if (replica := self._replicas.get(address)) is not None:
+                replica.load, replica.load_at = None, -math.inf
 
     # ----------------------------------------------------------- templates
 
@@ -195,53 +276,129 @@ class Router:
     # -------------------------------------------------------------- choice
 
     def choose(self, key: RouteKey) -> str:
+        """The replica for a request (see ``route``)."""
+        return self.route(key).address
+
+    def route(self, key: RouteKey) -> Route:
         """The replica for a request; count it with ``started``/``finished``.
 
         Raises:
             NoReplica: none is serving.
         """
         with self._lock:
-            candidates = [r for r in self._replicas.values() if r.serving]
+            candidates = sorted((r for r in self._replicas.values() if r.serving), key=lambda r: r.address)
             if not candidates:
                 known = ", ".join(sorted(self._replicas)) or "none"
                 raise NoReplica(f"no engine replica is serving (replicas: {known})")
-            candidates.sort(key=lambda r: r.address)
             if self.config.policy == "round-robin":
-                return candidates[next(self._turn) % len(candidates)].address
-            target = self._affinity(key, candidates)
-            if target is None or self._over_bound(target, candidates):
-                target = min(candidates, key=lambda r: r.in_flight)
-            return target.address
+                target = candidates[next(self._turn) % len(candidates)]
+                return Route(target.address, self._uncached(key, self._cached_blocks(key, candidates))[target.slot])
+            cached = self._cached_blocks(key, candidates)
+            if self.config.policy == "affinity":
+                target = self._affinity(key, candidates, cached)
+            else:
+                target = self._cheapest(key, candidates, cached)
+            return Route(target.address, self._uncached(key, cached)[target.slot])
 
-    def started(self, address: str) -> None:
+    def started(self, address: str, uncached_tokens: int = 0) -> int:
+        """Counts a request sent to ``address``; returns its ticket for ``prefilled`` and ``finished``."""
+        ticket = next(self._tickets)
         with self._lock:
             if (replica := self._replicas.get(address)) is not None:
                 replica.in_flight += 1
+                replica.pending[ticket] = (self._clock(), uncached_tokens)
+        return ticket
 
-    def finished(self, address: str) -> None:
+    def prefilled(self, address: str, ticket: int) -> None:
+        """The request's first token came: its prefill no longer waits there."""
+        with self._lock:
+            if (replica := self._replicas.get(address)) is not None:
+                replica.pending.pop(ticket, None)
+
+    def finished(self, address: str, ticket: int | None = None) -> None:
         with self._lock:
             if (replica := self._replicas.get(address)) is not None:
                 replica.in_flight = max(0, replica.in_flight - 1)
+                replica.pending.pop(ticket, None)
 
-    def _affinity(self, key: RouteKey, candidates: list[ReplicaState]) -> ReplicaState | None:
-        by_address = {r.address: r for r in candidates}
+    # ------------------------------------------------------------ policies
+
+    def _cached_blocks(self, key: RouteKey, candidates: list[ReplicaState]) -> dict[int, int]:
+        """slot -> the request's leading blocks held there."""
+        among = 0
+        for r in candidates:
+            among |= 1 << r.slot
+        runs = self._index.runs(key.block_hashes, among) if key.block_hashes else []
+        cached = {r.slot: run_length(runs, 1 << r.slot) for r in candidates}
         if key.template:
-            placed = self._placed.get(key.template)
-            if placed in by_address:
-                return by_address[placed]
-            return by_address[rendezvous(key.template.encode(), by_address)[0]]
+            home = self._template_home(key.template, candidates)
+            cached[home.slot] = max(cached[home.slot], key.template_blocks)
+        return cached
+
+    def _uncached(self, key: RouteKey, cached: dict[int, int]) -> dict[int, int]:
+        tokens = max(key.num_tokens, len(key.block_hashes) * key.block_size)
+        # A fully cached prompt still computes its last token.
+        return {slot: max(1, tokens - blocks * key.block_size) for slot, blocks in cached.items()}
+
+    def _cheapest(self, key: RouteKey, candidates: list[ReplicaState], cached: dict[int, int]) -> ReplicaState:
+        uncached = self._uncached(key, cached)
+        now = self._clock()
+        costs = [round(self._ttft(r, uncached[r.slot], now), 6) for r in candidates]
+        best = min(costs)
+        tied = [r for r, c in zip(candidates, costs, strict=True) if c == best]
+        if len(tied) == 1:
+            return tied[0]
+        tie_key = self._tie_key(key, cached, len(candidates))
+        if tie_key is None:
+            return tied[next(self._turn) % len(tied)]
+        first = rendezvous(tie_key, (r.address for r in tied))[0]
+        return next(r for r in tied if r.address == first)
+
+    def _ttft(self, replica: ReplicaState, uncached: int, now: float) -> float:
+        """The estimated time to first token of ``uncached`` new tokens there
+        (the own tokens weighted by ``work_weight``)."""
+        load, cfg = replica.load, self.config
+        covered = replica.load_at - cfg.report_lag_s
+        queued = sum(tokens for sent, tokens in replica.pending.values() if sent > covered)
+        if load is not None:
+            queued += load.queued_tokens
+        forward_s = load.forward_s if load is not None and load.token_s > 0 else cfg.forward_s
+        token_s = load.token_s if load is not None and load.token_s > 0 else cfg.token_s
+        budget = load.token_budget if load is not None and load.token_budget > 0 else cfg.token_budget
+        work = queued + cfg.work_weight * uncached
+        return math.ceil((queued + uncached) / budget) * forward_s + work * token_s
+
+    def _tie_key(self, key: RouteKey, cached: dict[int, int], num_candidates: int) -> bytes | None:
+        """The request's first block that not every candidate holds (None: no blocks)."""
+        if key.template and not key.block_hashes:
+            return key.template.encode()
         if not key.block_hashes:
             return None
-        best, best_run = None, 0
-        for replica in candidates:
-            run = 0
-            for h in key.block_hashes:
-                if h not in replica.held:
-                    break
-                run += 1
-            if run > best_run:
-                best, best_run = replica, run
-        return best or by_address[rendezvous(key.block_hashes[0], by_address)[0]]
+        everywhere = min(cached.values()) if len(cached) == num_candidates else 0
+        return key.block_hashes[min(everywhere, len(key.block_hashes) - 1)]
+
+    def _template_home(self, template: str, candidates: list[ReplicaState]) -> ReplicaState:
+        by_address = {r.address: r for r in candidates}
+        placed = self._placed.get(template)
+        if placed in by_address:
+            return by_address[placed]
+        return by_address[rendezvous(template.encode(), by_address)[0]]
+
+    def _affinity(self, key: RouteKey, candidates: list[ReplicaState], cached: dict[int, int]) -> ReplicaState:
+        if key.template:
+            target = self._template_home(key.template, candidates)
+        elif not key.block_hashes:
+            target = None
+        else:
+            best = max(cached.values())
+            if best:  # the longest run; ties to the first by address
+                target = next(r for r in candidates if cached[r.slot] == best)
+            else:
+                first = rendezvous(key.block_hashes[0], (r.address for r in candidates))[0]
+                target = next(r for r in candidates if r.address == first)
+        if target is None or self._over_bound(target, candidates):
+            target = min(candidates, key=lambda r: r.in_flight)
+        return target
 
     def _over_bound(self, target: ReplicaState, candidates: list[ReplicaState]) -> bool:
         mean = (sum(r.in_flight for r in candidates) + 1) / len(candidates)

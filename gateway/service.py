@@ -116,7 +116,8 @@ class GatewayService(pb_grpc.GatewayServicer):
             if request.template:
                 template = self.store.get(tenant, request.template)
                 out.token_ids.ids.extend(template.token_ids + self._prompt_ids(request, kind))
-                return out, len(template.token_ids), RouteKey(template=warm_member(tenant, request.template))
+                member = warm_member(tenant, request.template)
+                return out, len(template.token_ids), self._route_key(out, member, len(template.token_ids))
             if not self._by_prefix() or (kind == "text" and not request.text):
                 if kind == "text":
                     out.text = request.text
@@ -126,14 +127,20 @@ class GatewayService(pb_grpc.GatewayServicer):
                     out.token_ids.CopyFrom(request.token_ids)
                 return out, 0, RouteKey()
             out.token_ids.ids.extend(self._prompt_ids(request, kind))
-            block_size = self.pool.any_serving().model_info().block_size
-            hashes = chain_block_hashes(out.token_ids.ids, block_size, encode_extra_keys(out.cache_salt))
-            return out, 0, RouteKey(block_hashes=tuple(hashes))
+            return out, 0, self._route_key(out)
+
+    def _route_key(self, out: epb.GenerateRequest, template: str = "", template_tokens: int = 0) -> RouteKey:
+        """What routes a request whose token ids are known: its blocks' hashes, as its daemon will compute them."""
+        if self.router.config.policy == "round-robin":
+            return RouteKey(template=template)
+        block_size = self.pool.any_serving().model_info().block_size
+        hashes = chain_block_hashes(out.token_ids.ids, block_size, encode_extra_keys(out.cache_salt))
+        return RouteKey(template, tuple(hashes), len(out.token_ids.ids), block_size, template_tokens // block_size)
 
     def _by_prefix(self) -> bool:
         """Whether a plain request's blocks should pick its replica: only when
         there is a choice to make (the tokenizing call costs a round trip)."""
-        return self.router.config.policy == "affinity" and len(self.router.serving()) > 1
+        return self.router.config.policy != "round-robin" and len(self.router.serving()) > 1
 
     def _prompt_ids(self, request, kind: str | None) -> list[int]:
         """The prompt's own tokens (may be empty: the template alone is a prompt)."""
@@ -147,19 +154,22 @@ class GatewayService(pb_grpc.GatewayServicer):
 
     def _relay(self, engine_request: epb.GenerateRequest, template_tokens: int, key: RouteKey, context) -> Iterator:
         try:
-            address = self.router.choose(key)
+            route = self.router.route(key)
         except NoReplica as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        address = route.address
         link = self.pool.link(address)
-        self.router.started(address)
-        finished = _Once(lambda: self.router.finished(address))
+        ticket = self.router.started(address, route.uncached_tokens)
+        finished = _Once(lambda: self.router.finished(address, ticket))
         context.add_callback(finished)  # a cancelled stream may never resume this generator
         call = link.stub.Generate(engine_request, timeout=context.time_remaining())
         # A client that cancels (or whose deadline passes) cancels the engine's
         # request, which frees its blocks.
         context.add_callback(call.cancel)
         try:
-            for message in call:
+            for i, message in enumerate(call):
+                if i == 0:  # its prefill is done: no longer queued work there
+                    self.router.prefilled(address, ticket)
                 yield _response(message, template_tokens)
         except grpc.RpcError as err:
             # NOTE: never retried elsewhere: tokens may have reached the client
