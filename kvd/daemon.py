@@ -82,6 +82,16 @@ class DaemonConfig:
 
 
 @dataclass(frozen=True)
+class EventsSnapshot:
+    """The cached blocks' hashes per tier, as of the batch numbered ``sequence``."""
+
+    incarnation: str
+    sequence: int
+    device: list[bytes]
+    host: list[bytes]
+
+
+@dataclass(frozen=True)
 class Stats:
     num_blocks: int
     num_free_blocks: int
@@ -125,6 +135,7 @@ class Daemon:
         self.host: HostTier | None = None
         self.copier: TierCopier | None = None
         self._subscribers: list[queue.SimpleQueue] = []
+        self._sequence = 0  # of the last batch of events published
         if config.model_layout is not None:
             self._create_cache(config.model_layout)
 
@@ -355,12 +366,19 @@ class Daemon:
 
     # ------------------------------------------------------------- events
 
-    def subscribe(self) -> queue.SimpleQueue:
-        """A queue that receives every later batch of block events."""
+    def subscribe(self) -> tuple[queue.SimpleQueue, EventsSnapshot]:
+        """What is cached now, and a queue that receives every later batch of
+        block events as ``(incarnation, sequence, events)``: taken under one
+        lock, so nothing falls between the two."""
         subscriber: queue.SimpleQueue = queue.SimpleQueue()
         with self.lock:
             self._subscribers.append(subscriber)
-        return subscriber
+            return subscriber, EventsSnapshot(
+                self.cache_id,
+                self._sequence,
+                list(self.pool.cached) if self.pool else [],
+                list(self.host.cached) if self.host else [],
+            )
 
     def unsubscribe(self, subscriber: queue.SimpleQueue) -> None:
         with self.lock:
@@ -371,8 +389,9 @@ class Daemon:
         """Hands this call's events to every subscriber (under the lock)."""
         events: list[BlockEvent] = self.pool.take_events() if self.pool else []
         if events:
+            self._sequence += 1
             for subscriber in self._subscribers:
-                subscriber.put(events)
+                subscriber.put((self.cache_id, self._sequence, events))
 
     def close(self) -> None:
         if self.copier is not None:
