@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import grpc
 
 from inference.detokenizer import IncrementalDetokenizer
+from inference.load import LoadBoard, LoadReport, PrefillRate
 from inference.model_runner import ModelRunner
 from inference.sampling import Sampler, make_generator
 from inference.scheduler import Scheduler
@@ -92,6 +93,9 @@ class Engine:
         self._finished_pending: list[Sequence] = []  # released after their free reached the daemon
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.steps = 0
+        self.load = LoadBoard()  # what routers see (the Load stream)
+        self.prefill_rate = PrefillRate()
+        self._free_blocks = 0
         self.fatal: str | None = None  # set when the engine can never serve; the process should exit
 
     # ------------------------------------------------------------ public
@@ -133,12 +137,14 @@ class Engine:
                 self._lost_daemon(f"the KV-cache daemon is unavailable ({self.session.lost})")
                 continue
             self._drain_inbox()
+            self._publish_load()
             if not self.scheduler.has_work and not self._finished_pending:
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
             try:
                 self._step()
+                self._publish_load()
             except grpc.RpcError as err:
                 self._lost_daemon(f"the KV-cache daemon is unavailable ({err.code().name}: {err.details()})")
             except Exception:  # a bug must not leave clients hanging
@@ -149,8 +155,10 @@ class Engine:
         assert self.session is not None and self.runner is not None
         step = self.scheduler.build_step()
         released, self._finished_pending = self._finished_pending, []
+        started = time.monotonic()  # a step's whole time (its Step call too) is what a prefill waits for
         out = self.session.step(step)
         self.steps += 1
+        self._free_blocks = out.num_free_blocks
         if out.preempted:
             log.info("preempted to make room; they will recompute", extra={"requests": out.preempted})
         for seq in released:  # their commits and frees are in the daemon now
@@ -173,11 +181,28 @@ class Engine:
             # here: the next Step commits these blocks, and the daemon may copy
             # them to its host tier at once, from another process and stream.
             self.runner.wait_for_writes()
+            self.prefill_rate.observe(sum(len(c.token_ids) for c in chunks), time.monotonic() - started)
             return
         sampled = self.sampler.sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
+        # Reading the sampled tokens waited for the forward: its time is known now.
+        self.prefill_rate.observe(sum(len(c.token_ids) for c in chunks), time.monotonic() - started)
         for i, seq in enumerate(sampling):
             self._append_token(seq, sampled.tokens[i], sampled.logprobs[i], sampled.top[i])
             self.scheduler.sampled(seq)
+
+    def _publish_load(self) -> None:
+        sched, rate = self.scheduler, self.prefill_rate
+        self.load.publish(
+            LoadReport(
+                queued_tokens=sched.queued_prefill_tokens(),
+                waiting=len(sched.waiting),
+                running=len(sched.running),
+                free_blocks=self._free_blocks,
+                forward_s=rate.forward_s,
+                token_s=rate.token_s,
+                token_budget=sched.token_budget,
+            )
+        )
 
     def _append_token(
         self, seq: Sequence, token: int, logprob: float, top: tuple[list[int], list[float]] | None

@@ -54,6 +54,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._frees)
 
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens still to compute: the uncached rest of each prefilling
+        sequence, and all of each waiting one (its hits are known at admission)."""
+        prefilling = sum(s.num_tokens - s.num_computed for s in self.running.values() if not s.output_ids)
+        return prefilling + sum(s.num_tokens - s.num_computed for s in self.waiting)
+
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 

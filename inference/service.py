@@ -149,6 +149,15 @@ class EngineService(pb_grpc.EngineServicer):
             if context.is_active():
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"KV-cache daemon events: {err.details()}")
 
+    def Load(self, request, context):
+        seen = -1
+        while context.is_active():
+            seen, r = self.engine.load.wait(seen, timeout_s=1.0)
+            yield pb.LoadReport(
+                queued_tokens=r.queued_tokens, waiting=r.waiting, running=r.running, free_blocks=r.free_blocks,
+                forward_s=r.forward_s, token_s=r.token_s, token_budget=r.token_budget,
+            )  # fmt: skip
+
     def _daemon(self, context) -> DaemonClient:
         session = self.engine.session
         if session is None:
