@@ -3,7 +3,7 @@
 Each replica gets a slot (a bit). A block's entry is the bitmask of the slots
 whose daemon announced it stored in that tier, so a fleet of replicas sharing
 a block (a common system prompt) costs one entry, not one per replica, and a
-lookup walks the request's blocks once for every replica together.
+lookup searches the request's blocks once for every replica together.
 
 Keys are the first 8 bytes of the daemon's 32-byte chained hash: a collision
 (about 2^-64 per pair) could only make the router believe a block is cached
@@ -14,7 +14,6 @@ replica's one-bit int, so an entry is the dict slot, the key and nothing else.
 
 from __future__ import annotations
 
-import itertools
 import operator
 from collections.abc import Iterable, Sequence
 
@@ -85,30 +84,49 @@ class BlockIndex:
 
     # ------------------------------------------------------------ lookups
 
-    def runs(self, hashes: Sequence[bytes], among: int) -> list[int]:
-        """The masks of the replicas (within ``among``) holding each leading
-        block with all the blocks before it, in any tier; it stops at the
-        first block no one in ``among`` holds that way."""
-        keys = list(map(_KEY, hashes))
+    def run_lengths(self, keys: Sequence[bytes], among: int) -> dict[int, int]:
+        """slot -> how many of the leading blocks ``keys`` (``index_keys``) it
+        holds in any tier, for the slots of ``among`` that hold the first.
+
+        A replica is taken to hold every block before one it holds: a daemon
+        evicts a prompt's blocks from its tail, and a parent's hash is only
+        cached while its prefix was. So the walk is a binary search for where
+        the set of holders shrinks, once per distinct run length (a shared
+        system prompt, then one conversation's replica: two searches), not a
+        lookup of every block for every replica. A hole (a parent evicted
+        before its child) only makes the estimate optimistic.
+        """
+        lengths: dict[int, int] = {}
+        n = len(keys)
+        holders = self._held(keys[0]) & among if n else 0
+        start = 0
+        while holders:
+            # The first block past ``start`` that not every one of ``holders`` holds.
+            lo, hi = start + 1, n
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if self._held(keys[mid]) & holders == holders:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            still = self._held(keys[lo]) & holders if lo < n else 0
+            lost = holders & ~still
+            while lost:
+                low = lost & -lost
+                lengths[low.bit_length() - 1] = lo
+                lost ^= low
+            holders, start = still, lo
+        return lengths
+
+    def _held(self, key: bytes) -> int:
         device, host = self._tiers
-        held = map(device.get, keys, itertools.repeat(0))
-        if host:
-            held = map(operator.or_, held, map(host.get, keys, itertools.repeat(0)))
-        return list(itertools.takewhile(bool, itertools.accumulate(held, operator.and_, initial=among)))[1:]
+        return device.get(key, 0) | host.get(key, 0) if host else device.get(key, 0)
 
     def _bit(self, slot: int) -> int:
         bit = 1 << slot
         return self._bits.setdefault(bit, bit)
 
 
-def run_length(runs: Sequence[int], bit: int) -> int:
-    """How many leading blocks the replica of ``bit`` holds, given ``runs``
-    (masks only lose bits along the walk, so a binary search finds it)."""
-    lo, hi = 0, len(runs)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if runs[mid] & bit:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
+def index_keys(hashes: Iterable[bytes]) -> tuple[bytes, ...]:
+    """The index's keys of block hashes (computed once a request, with its hashes)."""
+    return tuple(map(_KEY, hashes))

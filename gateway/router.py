@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from gateway.block_index import DEVICE, HOST, BlockIndex, run_length
+from gateway.block_index import DEVICE, HOST, BlockIndex, index_keys
 
 POLICIES = ("cost", "affinity", "round-robin")
 
@@ -73,6 +73,10 @@ class RouteKey:
     num_tokens: int = 0
     block_size: int = 16
     template_blocks: int = 0
+    keys: tuple[bytes, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "keys", index_keys(self.block_hashes))
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,20 @@ class ReplicaState:
     load_at: float = -math.inf  # when the last report arrived
     #: this gateway's requests not yet past their first token: ticket -> (sent at, uncached tokens)
     pending: dict[int, tuple[float, int]] = field(default_factory=dict)
+    #: of those, the tokens sent after what the last load report covers
+    uncovered: int = 0
+
+    def covered_before(self, lag_s: float) -> float:
+        return self.load_at - lag_s
+
+    def recount(self, lag_s: float) -> None:
+        covered = self.covered_before(lag_s)
+        self.uncovered = sum(tokens for sent, tokens in self.pending.values() if sent > covered)
+
+    def drop(self, ticket: int | None, lag_s: float) -> None:
+        entry = self.pending.pop(ticket, None)
+        if entry is not None and entry[0] > self.covered_before(lag_s):
+            self.uncovered -= entry[1]
 
 
 @dataclass(frozen=True)
@@ -186,6 +204,7 @@ class Router:
         self._placed: dict[str, str] = {}  # template -> the replica it is pinned on
         self._turn = itertools.count()
         self._tickets = itertools.count(1)
+        self._candidates: list[ReplicaState] | None = None  # the serving ones by address, until that changes
         self._lock = threading.Lock()
 
     # ----------------------------------------------------------- replicas
@@ -200,11 +219,13 @@ class Router:
             free = (s for s in itertools.count() if s not in used)
             for address in sorted(wanted - self._replicas.keys()):
                 self._replicas[address] = ReplicaState(address, next(free))
+            self._candidates = None
 
     def set_serving(self, address: str, serving: bool) -> None:
         with self._lock:
-            if (replica := self._replicas.get(address)) is not None:
+            if (replica := self._replicas.get(address)) is not None and replica.serving != serving:
                 replica.serving = serving
+                self._candidates = None
 
     def serving(self) -> list[str]:
         with self._lock:
@@ -248,12 +269,14 @@ class Router:
         with self._lock:
             if (replica := self._replicas.get(address)) is not None:
                 replica.load, replica.load_at = load, self._clock()
+                replica.recount(self.config.report_lag_s)
 
     def forget_load(self, address: str) -> None:
         """Its load stream broke: back to this gateway's own requests only."""
         with self._lock:
             if (replica := self._replicas.get(address)) is not None:
                 replica.load, replica.load_at = None, -math.inf
+                replica.recount(self.config.report_lag_s)
 
     # ----------------------------------------------------------- templates
 
@@ -286,7 +309,9 @@ class Router:
             NoReplica: none is serving.
         """
         with self._lock:
-            candidates = sorted((r for r in self._replicas.values() if r.serving), key=lambda r: r.address)
+            if self._candidates is None:
+                self._candidates = sorted((r for r in self._replicas.values() if r.serving), key=lambda r: r.address)
+            candidates = self._candidates
             if not candidates:
                 known = ", ".join(sorted(self._replicas)) or "none"
                 raise NoReplica(f"no engine replica is serving (replicas: {known})")
@@ -307,19 +332,20 @@ class Router:
             if (replica := self._replicas.get(address)) is not None:
                 replica.in_flight += 1
                 replica.pending[ticket] = (self._clock(), uncached_tokens)
+                replica.uncovered += uncached_tokens
         return ticket
 
     def prefilled(self, address: str, ticket: int) -> None:
         """The request's first token came: its prefill no longer waits there."""
         with self._lock:
             if (replica := self._replicas.get(address)) is not None:
-                replica.pending.pop(ticket, None)
+                replica.drop(ticket, self.config.report_lag_s)
 
     def finished(self, address: str, ticket: int | None = None) -> None:
         with self._lock:
             if (replica := self._replicas.get(address)) is not None:
                 replica.in_flight = max(0, replica.in_flight - 1)
-                replica.pending.pop(ticket, None)
+                replica.drop(ticket, self.config.report_lag_s)
 
     # ------------------------------------------------------------ policies
 
@@ -328,8 +354,8 @@ class Router:
         among = 0
         for r in candidates:
             among |= 1 << r.slot
-        runs = self._index.runs(key.block_hashes, among) if key.block_hashes else []
-        cached = {r.slot: run_length(runs, 1 << r.slot) for r in candidates}
+        held = self._index.run_lengths(key.keys, among)
+        cached = {r.slot: held.get(r.slot, 0) for r in candidates}
         if key.template:
             home = self._template_home(key.template, candidates)
             cached[home.slot] = max(cached[home.slot], key.template_blocks)
@@ -342,10 +368,9 @@ class Router:
 
     def _cheapest(self, key: RouteKey, candidates: list[ReplicaState], cached: dict[int, int]) -> ReplicaState:
         uncached = self._uncached(key, cached)
-        now = self._clock()
-        costs = [round(self._ttft(r, uncached[r.slot], now), 6) for r in candidates]
-        best = min(costs)
-        tied = [r for r, c in zip(candidates, costs, strict=True) if c == best]
+        costs = [self._ttft(r, uncached[r.slot]) for r in candidates]
+        best = min(costs) + 1e-9  # equal estimates may differ in the last bits
+        tied = [r for r, c in zip(candidates, costs, strict=True) if c <= best]
         if len(tied) == 1:
             return tied[0]
         tie_key = self._tie_key(key, cached, len(candidates))
@@ -354,17 +379,16 @@ class Router:
         first = rendezvous(tie_key, (r.address for r in tied))[0]
         return next(r for r in tied if r.address == first)
 
-    def _ttft(self, replica: ReplicaState, uncached: int, now: float) -> float:
+    def _ttft(self, replica: ReplicaState, uncached: int) -> float:
         """The estimated time to first token of ``uncached`` new tokens there
         (the own tokens weighted by ``work_weight``)."""
         load, cfg = replica.load, self.config
-        covered = replica.load_at - cfg.report_lag_s
-        queued = sum(tokens for sent, tokens in replica.pending.values() if sent > covered)
-        if load is not None:
+        queued = replica.uncovered
+        if load is not None and load.token_s > 0 and load.token_budget > 0:
             queued += load.queued_tokens
-        forward_s = load.forward_s if load is not None and load.token_s > 0 else cfg.forward_s
-        token_s = load.token_s if load is not None and load.token_s > 0 else cfg.token_s
-        budget = load.token_budget if load is not None and load.token_budget > 0 else cfg.token_budget
+            forward_s, token_s, budget = load.forward_s, load.token_s, load.token_budget
+        else:
+            forward_s, token_s, budget = cfg.forward_s, cfg.token_s, cfg.token_budget
         work = queued + cfg.work_weight * uncached
         return math.ceil((queued + uncached) / budget) * forward_s + work * token_s
 

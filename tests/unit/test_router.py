@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.block_index import BlockIndex, run_length
+from gateway.block_index import BlockIndex, index_keys
 from gateway.endpoints import check_endpoint, expand
 from gateway.router import Load, NoReplica, Route, RouteKey, Router, RouterConfig, rendezvous
 from kvd.hashing import chain_block_hashes, encode_extra_keys
@@ -227,20 +227,26 @@ def test_cost_keeps_a_templated_request_on_the_template_replica():
     assert r.choose(prompt) == rendezvous(b"acme/bot", [A, B])[0]
 
 
-def test_the_index_walks_all_replicas_at_once():
+def test_the_index_finds_every_replicas_run_in_one_search():
     index = BlockIndex()
     blocks = hashes(LONG)
+    keys = index_keys(blocks)
     index.stored(0, 0, blocks[:10])
     index.stored(1, 0, blocks[:25])
     index.stored(2, 1, blocks[:5])  # host tier counts as held
     index.stored(3, 0, blocks[1:])  # no run from the first block
-    runs = index.runs(blocks, 0b1111)
-    assert [run_length(runs, 1 << s) for s in range(4)] == [10, 25, 5, 0]
-    assert len(runs) == 25
-    assert index.runs(blocks, 0b1) == [1] * 10  # only the candidates asked about
+    assert index.run_lengths(keys, 0b1111) == {0: 10, 1: 25, 2: 5}
+    assert index.run_lengths(keys, 0b1) == {0: 10}  # only the candidates asked about
     assert index.num_entries() == 40 + 5  # one entry a block per tier, whoever holds it
-    index.removed(1, 0, blocks[3:4])
-    assert run_length(index.runs(blocks, 0b1111), 0b10) == 3
+    index.removed(1, 0, blocks[20:])  # its tail evicted
+    assert index.run_lengths(keys, 0b1111)[1] == 20
     index.clear(1)
     assert index.known(1) == 0 and index.known(0) == 10 and index.known(2, 1) == 5
-    assert run_length(index.runs(blocks, 0b1111), 0b10) == 0
+    assert 1 not in index.run_lengths(keys, 0b1111)
+    assert index.run_lengths((), 0b1111) == {}
+    # Many replicas, runs of every length, in both tiers.
+    index = BlockIndex()
+    for slot in range(64):
+        index.stored(slot, slot % 2, blocks[: (slot * 7) % 41])
+    expected = {slot: (slot * 7) % 41 for slot in range(64) if (slot * 7) % 41}
+    assert index.run_lengths(keys, (1 << 64) - 1) == expected
