@@ -468,7 +468,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--duration-s", type=float, help="simulated seconds of arrivals (default 400; quick 60)")
     p.add_argument("--warmup", type=float, default=0.25, help="the leading fraction of the run not counted")
     p.add_argument("--block-tokens", type=int, default=512)
-    p.add_argument("--cache-blocks", type=int, default=1024, help="blocks per replica")
+    p.add_argument("--cache-blocks", type=int, default=2048, help="blocks per replica")
     p.add_argument("--prefill-tokens-per-s", type=float, default=8000.0)
     p.add_argument("--forward-s", type=float, default=0.015, help="fixed time of a forward")
     p.add_argument("--token-budget", type=int, default=4096, help="tokens per forward")
@@ -478,6 +478,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tenants-per-replica", type=float, default=4.0)
     p.add_argument("--work-weight", type=float, default=RouterConfig.work_weight)
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--write-trace", metavar="FILE",
+                   help="write a chat trace (open loop, in the JSONL form) of --duration-s at load 1 on 8 replicas"
+                   " and exit")  # fmt: skip
     args = p.parse_args(argv)
     args.replicas = [int(x) for x in (args.replicas or ("4" if args.quick else "8,16,64")).split(",")]
     args.loads = [float(x) for x in (args.loads or ("0.8" if args.quick else "0.7,0.9")).split(",")]
@@ -552,8 +555,34 @@ def ratios(results: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def write_trace(args: argparse.Namespace) -> None:
+    """A chat workload as a trace: each turn at the time it would come with no
+    queueing (the previous answer's decode and the think time after it)."""
+    rng = random.Random(args.seed)
+    shape = Shape(args.block_tokens)
+    workload = chat_workload(rng, shape, 8 * args.prefill_tokens_per_s, 1.0, args.duration_s)
+    rows = []
+    for start, first in workload.arrivals:
+        t, request = start, first
+        while True:
+            ids = list(request.blocks) + ([request.blocks[-1] + 10**9] if request.tokens % args.block_tokens else [])
+            rows.append({"timestamp": int(t * 1000), "input_length": request.tokens,
+                         "output_length": request.output, "hash_ids": ids})  # fmt: skip
+            nxt = next(first.follow, None) if first.follow is not None else None
+            if nxt is None:
+                break
+            think, request = nxt
+            t += rows[-1]["output_length"] / args.decode_tokens_per_s + think
+    rows.sort(key=lambda row: row["timestamp"])
+    Path(args.write_trace).write_text("".join(json.dumps(row) + "\n" for row in rows))
+    common.log(f"wrote {len(rows)} requests to {args.write_trace}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.write_trace:
+        write_trace(args)
+        return 0
     results = simulate(args)
     cell_ratios = ratios(results)
     rows = [

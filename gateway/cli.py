@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--route-work-weight",
         type=float,
-        default=float(env_default("KVD_ROUTE_WORK_WEIGHT", 2.0)),
+        default=float(env_default("KVD_ROUTE_WORK_WEIGHT", 4.0)),
         help="cost routing: how much more the request's own uncached tokens weigh than work queued on a replica"
         " (1: the plain TTFT estimate; more keeps conversations on their replica) (KVD_ROUTE_WORK_WEIGHT)",
     )

@@ -163,7 +163,7 @@ class RouterConfig:
     policy: str = "cost"
     load_factor: float = 1.5
     load_slack: float = 2.0
-    work_weight: float = 2.0
+    work_weight: float = 4.0
     report_lag_s: float = 0.05
     forward_s: float = 0.02
     token_s: float = 1e-4
