@@ -120,6 +120,8 @@ class ReplicaState:
     pending: dict[int, tuple[float, int]] = field(default_factory=dict)
     #: of those, the tokens sent after what the last load report covers
     uncovered: int = 0
+    #: (reported queued tokens, forward_s, token_s, token budget): the estimate's terms
+    rate: tuple[int, float, float, int] = (0, 0.0, 1.0, 1)
 
     def covered_before(self, lag_s: float) -> float:
         return self.load_at - lag_s
@@ -182,6 +184,12 @@ class RouterConfig:
             raise ValueError("report_lag_s and forward_s must be >= 0, token_s > 0 and token_budget >= 1")
 
 
+def _uncached(key: RouteKey, held_blocks: int) -> int:
+    """The prompt tokens a replica holding ``held_blocks`` leading blocks computes
+    (a fully cached prompt still computes its last token)."""
+    return max(1, max(key.num_tokens, len(key.keys) * key.block_size) - held_blocks * key.block_size)
+
+
 def rendezvous(key: bytes, addresses: Iterable[str]) -> list[str]:
     """``addresses`` ranked for ``key``, best first."""
     return sorted(addresses, key=lambda a: hashlib.sha256(a.encode() + b"\0" + key).digest(), reverse=True)
@@ -205,6 +213,7 @@ class Router:
         self._turn = itertools.count()
         self._tickets = itertools.count(1)
         self._candidates: list[ReplicaState] | None = None  # the serving ones by address, until that changes
+        self._among: int | None = None  # their slots' bits
         self._lock = threading.Lock()
 
     # ----------------------------------------------------------- replicas
@@ -218,14 +227,14 @@ class Router:
             used = {r.slot for r in self._replicas.values()}
             free = (s for s in itertools.count() if s not in used)
             for address in sorted(wanted - self._replicas.keys()):
-                self._replicas[address] = ReplicaState(address, next(free))
-            self._candidates = None
+                self._replicas[address] = ReplicaState(address, next(free), rate=self._rate(None))
+            self._candidates = self._among = None
 
     def set_serving(self, address: str, serving: bool) -> None:
         with self._lock:
             if (replica := self._replicas.get(address)) is not None and replica.serving != serving:
                 replica.serving = serving
-                self._candidates = None
+                self._candidates = self._among = None
 
     def serving(self) -> list[str]:
         with self._lock:
@@ -270,6 +279,7 @@ class Router:
             if (replica := self._replicas.get(address)) is not None:
                 replica.load, replica.load_at = load, self._clock()
                 replica.recount(self.config.report_lag_s)
+                replica.rate = self._rate(load)
 
     def forget_load(self, address: str) -> None:
         """Its load stream broke: back to this gateway's own requests only."""
@@ -277,6 +287,7 @@ class Router:
             if (replica := self._replicas.get(address)) is not None:
                 replica.load, replica.load_at = None, -math.inf
                 replica.recount(self.config.report_lag_s)
+                replica.rate = self._rate(None)
 
     # ----------------------------------------------------------- templates
 
@@ -315,15 +326,14 @@ class Router:
             if not candidates:
                 known = ", ".join(sorted(self._replicas)) or "none"
                 raise NoReplica(f"no engine replica is serving (replicas: {known})")
+            held = self._held_blocks(key, candidates)
             if self.config.policy == "round-robin":
                 target = candidates[next(self._turn) % len(candidates)]
-                return Route(target.address, self._uncached(key, self._cached_blocks(key, candidates))[target.slot])
-            cached = self._cached_blocks(key, candidates)
-            if self.config.policy == "affinity":
-                target = self._affinity(key, candidates, cached)
+            elif self.config.policy == "affinity":
+                target = self._affinity(key, candidates, held)
             else:
-                target = self._cheapest(key, candidates, cached)
-            return Route(target.address, self._uncached(key, cached)[target.slot])
+                target = self._cheapest(key, candidates, held)
+            return Route(target.address, _uncached(key, held.get(target.slot, 0)))
 
     def started(self, address: str, uncached_tokens: int = 0) -> int:
         """Counts a request sent to ``address``; returns its ticket for ``prefilled`` and ``finished``."""
@@ -349,56 +359,53 @@ class Router:
 
     # ------------------------------------------------------------ policies
 
-    def _cached_blocks(self, key: RouteKey, candidates: list[ReplicaState]) -> dict[int, int]:
-        """slot -> the request's leading blocks held there."""
-        among = 0
-        for r in candidates:
-            among |= 1 << r.slot
-        held = self._index.run_lengths(key.keys, among)
-        cached = {r.slot: held.get(r.slot, 0) for r in candidates}
+    def _held_blocks(self, key: RouteKey, candidates: list[ReplicaState]) -> dict[int, int]:
+        """slot -> the request's leading blocks held there (replicas holding none left out)."""
+        if self._among is None:
+            self._among = sum(1 << r.slot for r in candidates)
+        held = self._index.run_lengths(key.keys, self._among) if key.keys else {}
         if key.template:
             home = self._template_home(key.template, candidates)
-            cached[home.slot] = max(cached[home.slot], key.template_blocks)
-        return cached
+            held[home.slot] = max(held.get(home.slot, 0), key.template_blocks)
+        return held
 
-    def _uncached(self, key: RouteKey, cached: dict[int, int]) -> dict[int, int]:
-        tokens = max(key.num_tokens, len(key.block_hashes) * key.block_size)
-        # A fully cached prompt still computes its last token.
-        return {slot: max(1, tokens - blocks * key.block_size) for slot, blocks in cached.items()}
-
-    def _cheapest(self, key: RouteKey, candidates: list[ReplicaState], cached: dict[int, int]) -> ReplicaState:
-        uncached = self._uncached(key, cached)
-        costs = [self._ttft(r, uncached[r.slot]) for r in candidates]
-        best = min(costs) + 1e-9  # equal estimates may differ in the last bits
-        tied = [r for r, c in zip(candidates, costs, strict=True) if c <= best]
+    def _cheapest(self, key: RouteKey, candidates: list[ReplicaState], held: dict[int, int]) -> ReplicaState:
+        """The least estimated time to first token: the prefill work queued
+        there and this request's uncached tokens (weighted) over its rate."""
+        tokens = max(key.num_tokens, len(key.keys) * key.block_size)
+        weight = self.config.work_weight
+        best, tied = math.inf, []
+        for r in candidates:
+            uncached = max(1, tokens - held.get(r.slot, 0) * key.block_size)  # as _uncached
+            reported, forward_s, token_s, budget = r.rate
+            queued = reported + r.uncovered
+            cost = -(-(queued + uncached) // budget) * forward_s + (queued + weight * uncached) * token_s
+            if cost < best - 1e-9:  # equal estimates may differ in the last bits
+                best, tied = cost, [r]
+            elif cost <= best + 1e-9:
+                tied.append(r)
         if len(tied) == 1:
             return tied[0]
-        tie_key = self._tie_key(key, cached, len(candidates))
+        tie_key = self._tie_key(key, held, len(candidates))
         if tie_key is None:
             return tied[next(self._turn) % len(tied)]
         first = rendezvous(tie_key, (r.address for r in tied))[0]
         return next(r for r in tied if r.address == first)
 
-    def _ttft(self, replica: ReplicaState, uncached: int) -> float:
-        """The estimated time to first token of ``uncached`` new tokens there
-        (the own tokens weighted by ``work_weight``)."""
-        load, cfg = replica.load, self.config
-        queued = replica.uncovered
+    def _rate(self, load: Load | None) -> tuple[int, float, float, int]:
+        """The estimate's terms from a report (a replica not reporting: the config's rate, nothing queued)."""
         if load is not None and load.token_s > 0 and load.token_budget > 0:
-            queued += load.queued_tokens
-            forward_s, token_s, budget = load.forward_s, load.token_s, load.token_budget
-        else:
-            forward_s, token_s, budget = cfg.forward_s, cfg.token_s, cfg.token_budget
-        work = queued + cfg.work_weight * uncached
-        return math.ceil((queued + uncached) / budget) * forward_s + work * token_s
+            return load.queued_tokens, load.forward_s, load.token_s, load.token_budget
+        cfg = self.config
+        return 0, cfg.forward_s, cfg.token_s, cfg.token_budget
 
-    def _tie_key(self, key: RouteKey, cached: dict[int, int], num_candidates: int) -> bytes | None:
+    def _tie_key(self, key: RouteKey, held: dict[int, int], num_candidates: int) -> bytes | None:
         """The request's first block that not every candidate holds (None: no blocks)."""
         if key.template and not key.block_hashes:
             return key.template.encode()
         if not key.block_hashes:
             return None
-        everywhere = min(cached.values()) if len(cached) == num_candidates else 0
+        everywhere = min(held.values()) if len(held) == num_candidates else 0
         return key.block_hashes[min(everywhere, len(key.block_hashes) - 1)]
 
     def _template_home(self, template: str, candidates: list[ReplicaState]) -> ReplicaState:
@@ -408,15 +415,15 @@ class Router:
             return by_address[placed]
         return by_address[rendezvous(template.encode(), by_address)[0]]
 
-    def _affinity(self, key: RouteKey, candidates: list[ReplicaState], cached: dict[int, int]) -> ReplicaState:
+    def _affinity(self, key: RouteKey, candidates: list[ReplicaState], held: dict[int, int]) -> ReplicaState:
         if key.template:
             target = self._template_home(key.template, candidates)
         elif not key.block_hashes:
             target = None
         else:
-            best = max(cached.values())
+            best = max(held.values(), default=0)
             if best:  # the longest run; ties to the first by address
-                target = next(r for r in candidates if cached[r.slot] == best)
+                target = next(r for r in candidates if held.get(r.slot, 0) == best)
             else:
                 first = rendezvous(key.block_hashes[0], (r.address for r in candidates))[0]
                 target = next(r for r in candidates if r.address == first)
