@@ -84,6 +84,7 @@ class Request:
     started: float = math.nan  # prefill start
     first_token: float = math.nan
     ticket: int = 0
+    expected_uncached: int = 0  # what its replica's daemon lacked when it came
 
 
 @dataclass(frozen=True)
@@ -284,14 +285,17 @@ class Replica:
         return stored, evicted
 
     def queued_tokens(self, now: float) -> int:
-        """Uncached prompt tokens waiting or prefilling, as its engine reports them."""
-        queued = sum(self.uncached(r) for r in self.queue)
+        """Prompt tokens still to compute, as its engine reports them: of each
+        waiting request what the daemon did not hold when it came (the engine
+        asks it), the uncached rest of the one prefilling."""
+        queued = self.waiting_tokens
         if self.current is not None:
             done = (now - self.current.started) / max(1e-9, self.current_end - self.current.started)
             queued += int(self.uncached_at_start * max(0.0, 1.0 - done))
         return queued
 
     uncached_at_start = 0
+    waiting_tokens = 0  # the uncached tokens of ``queue``'s requests when they came
 
 
 # ----------------------------------------------------------------- simulator
@@ -352,7 +356,9 @@ class Simulation:
         request.replica = replica.index
         request.ticket = self.router.started(replica.address, replica.uncached(request))
         replica.backlog_end = max(self.now, replica.backlog_end) + replica.prefill_s(replica.uncached(request))
+        request.expected_uncached = replica.uncached(request)
         replica.queue.append(request)
+        replica.waiting_tokens += request.expected_uncached
         if replica.current is None:
             self._start_next(replica)
         self._report(replica)
@@ -377,6 +383,7 @@ class Simulation:
             replica.current = None
             return
         request = replica.queue.popleft()
+        replica.waiting_tokens -= request.expected_uncached
         run = replica.held_run(request.blocks)
         replica.touch(request.blocks[:run])
         uncached = max(1, request.tokens - run * self.shape.block_tokens)

@@ -56,9 +56,9 @@ class Scheduler:
 
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens still to compute: the uncached rest of each prefilling
-        sequence, and all of each waiting one (its hits are known at admission)."""
+        sequence, and of each waiting one what its daemon did not hold when it came."""
         prefilling = sum(s.num_tokens - s.num_computed for s in self.running.values() if not s.output_ids)
-        return prefilling + sum(s.num_tokens - s.num_computed for s in self.waiting)
+        return prefilling + sum(s.num_tokens - max(s.num_computed, s.expected_cached) for s in self.waiting)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)

@@ -16,6 +16,7 @@ from inference.engine import Engine, EngineUnavailable
 from inference.sampling import SamplingParams
 from inference.sequence import Finish, Sequence
 from kvd.client import DaemonClient
+from kvd_api.daemon.v1 import daemon_pb2 as dpb
 from kvd_api.engine.v1 import engine_pb2 as pb
 from kvd_api.engine.v1 import engine_pb2_grpc as pb_grpc
 
@@ -99,6 +100,21 @@ class EngineService(pb_grpc.EngineServicer):
             self.engine.submit(seq)
         except EngineUnavailable as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        self._expect_hits(seq)
+
+    def _expect_hits(self, seq: Sequence) -> None:
+        """Asks the daemon what it holds of the prompt, for the load reports
+        while the request waits (after submitting it: never on its way)."""
+        session = self.engine.session
+        if session is None:
+            return
+        try:
+            reply = session.client.stub.Lookup(
+                dpb.LookupRequest(token_ids=seq.prompt_ids, cache_salt=seq.cache_salt), timeout=2.0
+            )
+        except grpc.RpcError:
+            return  # the reports count its whole prompt
+        seq.expected_cached = reply.num_cached_tokens + reply.num_host_cached_tokens
 
     # ----------------------------------------------------- unary methods
 
