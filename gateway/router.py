@@ -88,7 +88,8 @@ class Load:
         running: requests it runs (prefilling or decoding).
         free_blocks: its daemon's free blocks.
         forward_s: measured fixed time of one forward pass.
-        token_s: measured time per prompt token in a forward pass.
+        token_s: measured time per prompt token in a forward pass (0: not
+            measured yet; the fleet's mean rate stands in).
         token_budget: tokens per forward (longer prompts take several).
     """
 
@@ -122,6 +123,7 @@ class ReplicaState:
     uncovered: int = 0
     #: (reported queued tokens, forward_s, token_s, token budget): the estimate's terms
     rate: tuple[int, float, float, int] = (0, 0.0, 1.0, 1)
+    measured: bool = False  # whether ``rate`` is its own (else the fleet's mean stands in)
 
     def covered_before(self, lag_s: float) -> float:
         return self.load_at - lag_s
@@ -227,7 +229,7 @@ class Router:
             used = {r.slot for r in self._replicas.values()}
             free = (s for s in itertools.count() if s not in used)
             for address in sorted(wanted - self._replicas.keys()):
-                self._replicas[address] = ReplicaState(address, next(free), rate=self._rate(None))
+                self._replicas[address] = ReplicaState(address, next(free), rate=self._rate(None)[0])
             self._candidates = self._among = None
 
     def set_serving(self, address: str, serving: bool) -> None:
@@ -279,7 +281,7 @@ class Router:
             if (replica := self._replicas.get(address)) is not None:
                 replica.load, replica.load_at = load, self._clock()
                 replica.recount(self.config.report_lag_s)
-                replica.rate = self._rate(load)
+                replica.rate, replica.measured = self._rate(load)
 
     def forget_load(self, address: str) -> None:
         """Its load stream broke: back to this gateway's own requests only."""
@@ -287,7 +289,7 @@ class Router:
             if (replica := self._replicas.get(address)) is not None:
                 replica.load, replica.load_at = None, -math.inf
                 replica.recount(self.config.report_lag_s)
-                replica.rate = self._rate(None)
+                replica.rate, replica.measured = self._rate(None)
 
     # ----------------------------------------------------------- templates
 
@@ -374,10 +376,13 @@ class Router:
         there and this request's uncached tokens (weighted) over its rate."""
         tokens = max(key.num_tokens, len(key.keys) * key.block_size)
         weight = self.config.work_weight
+        fleet = None if all(r.measured for r in candidates) else self._fleet_rate(candidates)
         best, tied = math.inf, []
         for r in candidates:
             uncached = max(1, tokens - held.get(r.slot, 0) * key.block_size)  # as _uncached
             reported, forward_s, token_s, budget = r.rate
+            if fleet is not None and not r.measured:
+                forward_s, token_s = fleet
             queued = reported + r.uncovered
             cost = -(-(queued + uncached) // budget) * forward_s + (queued + weight * uncached) * token_s
             if cost < best - 1e-9:  # equal estimates may differ in the last bits
@@ -392,12 +397,23 @@ class Router:
         first = rendezvous(tie_key, (r.address for r in tied))[0]
         return next(r for r in tied if r.address == first)
 
-    def _rate(self, load: Load | None) -> tuple[int, float, float, int]:
-        """The estimate's terms from a report (a replica not reporting: the config's rate, nothing queued)."""
-        if load is not None and load.token_s > 0 and load.token_budget > 0:
-            return load.queued_tokens, load.forward_s, load.token_s, load.token_budget
+    def _rate(self, load: Load | None) -> tuple[tuple[int, float, float, int], bool]:
+        """The estimate's terms from a report, and whether its rate was measured."""
         cfg = self.config
-        return 0, cfg.forward_s, cfg.token_s, cfg.token_budget
+        if load is None:
+            return (0, cfg.forward_s, cfg.token_s, cfg.token_budget), False
+        budget = load.token_budget if load.token_budget > 0 else cfg.token_budget
+        if load.token_s > 0:
+            return (load.queued_tokens, load.forward_s, load.token_s, budget), True
+        return (load.queued_tokens, cfg.forward_s, cfg.token_s, budget), False
+
+    def _fleet_rate(self, candidates: list[ReplicaState]) -> tuple[float, float] | None:
+        """The mean measured (forward_s, token_s) of the candidates, for those not measured yet:
+        a replica that never ran must not look faster, or slower, than the ones that did."""
+        measured = [r.rate for r in candidates if r.measured]
+        if not measured:
+            return None
+        return sum(m[1] for m in measured) / len(measured), sum(m[2] for m in measured) / len(measured)
 
     def _tie_key(self, key: RouteKey, held: dict[int, int], num_candidates: int) -> bytes | None:
         """The request's first block that not every candidate holds (None: no blocks)."""

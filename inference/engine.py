@@ -198,8 +198,8 @@ class Engine:
                 waiting=len(sched.waiting),
                 running=len(sched.running),
                 free_blocks=self._free_blocks,
-                forward_s=rate.forward_s,
-                token_s=rate.token_s,
+                forward_s=rate.forward_s if rate.known else 0.0,
+                token_s=rate.token_s if rate.known else 0.0,
                 token_budget=sched.token_budget,
             )
         )

@@ -19,7 +19,8 @@ class LoadReport:
         are known only at admission).
     waiting, running: requests not yet admitted, and admitted ones.
     free_blocks: the daemon's free blocks after the last step.
-    forward_s, token_s: the fitted time of one forward, ``forward_s + token_s * tokens``.
+    forward_s, token_s: the fitted time of one forward, ``forward_s + token_s * tokens``;
+        both 0 until enough forwards of different sizes were seen (unknown).
     token_budget: the most tokens one forward computes.
     """
 
@@ -36,16 +37,28 @@ class PrefillRate:
     """A forward's time as ``forward_s + token_s * tokens``, by exponentially
     weighted least squares over recent forwards (older ones fade with ``halflife``).
 
-    Until forwards of different sizes are seen, the slope stays at its prior.
+    Until forwards of different sizes are seen, the slope stays at its prior,
+    and ``known`` is false: one long prefill alone would read as a huge fixed
+    time, and make an idle replica look slower than one never measured.
     """
 
-    def __init__(self, forward_s: float = 0.02, token_s: float = 1e-4, halflife: float = 64.0) -> None:
+    def __init__(
+        self, forward_s: float = 0.02, token_s: float = 1e-4, halflife: float = 64.0, min_forwards: int = 8
+    ) -> None:
         self._decay = 0.5 ** (1.0 / halflife)
         self._w = self._x = self._y = self._xx = self._xy = 0.0
         self.forward_s, self.token_s = forward_s, token_s
+        self._min_forwards = min_forwards
+        self._forwards = 0
+        self._sloped = False
+
+    @property
+    def known(self) -> bool:
+        return self._sloped and self._forwards >= self._min_forwards
 
     def observe(self, tokens: int, seconds: float) -> None:
         d = self._decay
+        self._forwards += 1
         self._w = self._w * d + 1.0
         self._x = self._x * d + tokens
         self._y = self._y * d + seconds
@@ -55,7 +68,7 @@ class PrefillRate:
         if spread > 1e-9 * max(1.0, self._xx * self._w):
             slope = (self._w * self._xy - self._x * self._y) / spread
             if slope > 0:
-                self.token_s = slope
+                self.token_s, self._sloped = slope, True
         self.forward_s = max(0.0, (self._y - self.token_s * self._x) / self._w)
 
 

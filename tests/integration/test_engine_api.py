@@ -88,7 +88,8 @@ def test_the_load_stream_reports_queued_work_and_a_measured_rate(engine):
     assert busy.queued_tokens <= 1500 and busy.running + busy.waiting >= 1
     assert len(list(call)) >= 1
     idle = next(r for r in reports if r.running == 0 and r.waiting == 0)
-    assert idle.queued_tokens == 0 and idle.forward_s >= 0 and idle.token_s > 0 and idle.free_blocks > 0
+    assert idle.queued_tokens == 0 and idle.free_blocks > 0
+    assert idle.token_s > 0 or idle.forward_s == 0  # measured, or both unknown (0) after a few steps
     reports.cancel()
 
 

@@ -16,6 +16,7 @@ def test_the_prefill_rate_fits_a_fixed_time_plus_a_time_per_token():
     for _ in range(400):
         tokens = rng.randint(1, 2048)
         rate.observe(tokens, 0.012 + 3e-5 * tokens + rng.gauss(0, 1e-4))
+    assert rate.known
     assert rate.forward_s == pytest.approx(0.012, abs=1e-3)
     assert rate.token_s == pytest.approx(3e-5, rel=0.05)
 
@@ -25,6 +26,7 @@ def test_forwards_of_one_size_keep_the_slope_and_fit_the_fixed_time():
     for _ in range(50):
         rate.observe(1, 0.02)  # decodes only
     assert rate.token_s == 1e-4 and rate.forward_s == pytest.approx(0.02 - 1e-4)
+    assert not rate.known  # reported as unknown: one size alone cannot tell fixed from per-token time
 
 
 def test_the_board_wakes_waiters_on_a_change_only():

@@ -205,6 +205,16 @@ def test_cost_counts_this_gateways_requests_until_a_report_covers_them():
     assert r.choose(key(list(range(5000, 5640)))) == other
 
 
+def test_a_replica_not_measured_yet_is_estimated_at_the_fleets_rate():
+    r = router(A, B)
+    prompt = key(LONG, template="acme/bot", template_blocks=30)
+    r.place("acme/bot", A)
+    # A prefilled one long prompt (a slow fit); B never ran: it reports no rate.
+    r.report_load(A, Load(queued_tokens=0, forward_s=0.5, token_s=2e-3, token_budget=512))
+    r.report_load(B, Load(queued_tokens=0, forward_s=0.0, token_s=0.0, token_budget=512))
+    assert r.choose(prompt) == A  # not to B for looking fast: both at A's rate, A holds 30 blocks
+
+
 def test_cost_spreads_new_conversations_behind_a_shared_system_prompt():
     r = router(*[f"10.0.1.{i}:1" for i in range(8)])
     system = list(range(320))  # 20 blocks every replica holds
