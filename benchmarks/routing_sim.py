@@ -36,7 +36,8 @@ Workloads (prompt lengths heavy-tailed, lognormal):
 
 Load: the offered prefill work over the fleet's prefill capacity, the work
 counted as a single infinite shared cache would leave it (each block computed
-once): a load of 0.9 with a policy that loses hits is more than 0.9.
+once): a load of 0.9 with a policy that loses hits is more than 0.9. A trace's
+timestamps are scaled so that the busiest tenth of its span has that load.
 Statistics count the requests that arrive after the first ``--warmup``
 fraction of the run and reach their first token.
 """
@@ -209,11 +210,20 @@ def trace_workload(path: Path, block_tokens: int, capacity_tokens_per_s: float, 
         full = int(row["input_length"]) // block_tokens
         blocks = tuple(int(h) for h in row["hash_ids"][:full])
         requests.append(Request(blocks, int(row["input_length"]), max(1, int(row["output_length"]))))
-    span_s = max(1e-3, (rows[-1]["timestamp"] - rows[0]["timestamp"]) / 1000.0)
-    wanted_s = ideal_work(requests, block_tokens) / (load * capacity_tokens_per_s)
-    scale = wanted_s / span_s
-    t0 = rows[0]["timestamp"]
+    # The load is the busiest tenth of the trace's span (by its prefill work):
+    # averaged over the whole span, a trace's ramps would leave its peak far
+    # busier than asked (and an open-loop overload never recovers).
+    t0, span_ms = rows[0]["timestamp"], max(1, rows[-1]["timestamp"] - rows[0]["timestamp"])
+    seen: set[int] = set()
+    work_by_tenth = [0.0] * 10
+    for row, r in zip(rows, requests, strict=True):
+        new = [b for b in r.blocks if b not in seen]
+        seen.update(new)
+        tenth = min(9, (row["timestamp"] - t0) * 10 // span_ms)
+        work_by_tenth[tenth] += max(1, r.tokens - (len(r.blocks) - len(new)) * block_tokens)
+    scale = max(work_by_tenth) / (load * capacity_tokens_per_s) / (span_ms / 10_000.0)
     arrivals = [((row["timestamp"] - t0) / 1000.0 * scale, r) for row, r in zip(rows, requests, strict=True)]
+    wanted_s = arrivals[-1][0]
     return Workload(f"trace:{path.name}", arrivals, duration_s=wanted_s)
 
 
