@@ -3,22 +3,21 @@
 from __future__ import annotations
 
 import logging
-from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from gateway import redis_conn
 from gateway.auth import Authenticator, FileKeys, KeyStore, RedisKeys
 from gateway.endpoints import check_endpoint
 from gateway.keeper import TemplateKeeper
+from gateway.limits import TenantLimits
 from gateway.replicas import ReplicaPool
 from gateway.router import Router, RouterConfig
-from gateway.service import GatewayService
+from gateway.service import STATUS_BY_ERROR, GatewayService
 from gateway.templates import TemplateStore
+from kvd.grpc_server import build_server
 from kvd_api.gateway.v1 import gateway_pb2 as pb
 from kvd_api.gateway.v1 import gateway_pb2_grpc as pb_grpc
 
@@ -57,6 +56,7 @@ class GatewaySettings:
     routing: RouterConfig = field(default_factory=RouterConfig)
     health_interval_s: float = 0.5
     dns_interval_s: float = 5.0
+    limits: TenantLimits = field(default_factory=TenantLimits)
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -73,7 +73,17 @@ class GatewaySettings:
 class GatewayApp:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
-        self.redis = redis_conn.connect(settings.redis_url, settings.data_dir or default_data_dir())
+        self.redis, self.embedded_redis = redis_conn.connect(
+            settings.redis_url, settings.data_dir or default_data_dir()
+        )
+        try:
+            self._build()
+        except BaseException:
+            self._stop_redis()
+            raise
+
+    def _build(self) -> None:
+        settings = self.settings
         self.store = TemplateStore(self.redis, settings.redis_prefix)
         self.pool = ReplicaPool(
             settings.engines,
@@ -83,19 +93,17 @@ class GatewayApp:
             on_health=self._engine_health,
         )
         self.auth = Authenticator(self._key_store())
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="gateway-rpc"))
-        self.health = health.HealthServicer()
         self.keeper = TemplateKeeper(self.store, self.pool, settings.keeper_interval_s)
-        pb_grpc.add_GatewayServicer_to_server(
-            GatewayService(self.store, self.pool, self.keeper, self.auth), self.server
-        )
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            self.server,
+        service = GatewayService(self.store, self.pool, self.keeper, self.auth, settings.limits)
+        # The gateway serves (templates, info) while at least one replica does.
+        self.server = build_server(
+            [(pb_grpc.add_GatewayServicer_to_server, service, SERVICE_NAME)],
+            STATUS_BY_ERROR,
+            serving=False,
+            max_workers=64,
+            thread_name_prefix="gateway-rpc",
         )
         self.port = self._add_port()
-        self._engine_health(False)
 
     def _key_store(self) -> KeyStore | None:
         keys = self.settings.api_keys
@@ -108,15 +116,12 @@ class GatewayApp:
     def _add_port(self) -> int:
         s = self.settings
         if s.tls_cert is None or s.tls_key is None:
-            return self.server.add_insecure_port(s.listen)
+            return self.server.add_port(s.listen)
         credentials = grpc.ssl_server_credentials([(s.tls_key.read_bytes(), s.tls_cert.read_bytes())])
-        return self.server.add_secure_port(s.listen, credentials)
+        return self.server.add_port(s.listen, credentials)
 
     def _engine_health(self, up: bool) -> None:
-        # The gateway serves (templates, info) while at least one replica does.
-        status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", SERVICE_NAME):
-            self.health.set(name, status)
+        self.server.set_serving(up)
 
     def start(self) -> None:
         self.server.start()
@@ -132,7 +137,12 @@ class GatewayApp:
             log.warning("single-user mode: no API keys are checked; every call is the tenant 'default'")
 
     def stop(self) -> None:
-        self._engine_health(False)
         self.keeper.stop()
-        self.server.stop(grace=2).wait()
+        self.server.stop(grace_s=2)
         self.pool.stop()
+        self._stop_redis()
+
+    def _stop_redis(self) -> None:
+        self.redis.close()
+        if self.embedded_redis is not None:
+            self.embedded_redis.stop()

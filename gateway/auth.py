@@ -14,6 +14,10 @@ their SHA-256 is kept, in one of two stores:
   fields ``tenant`` and ``scopes`` (comma-separated); ``kvd-gateway add-key``
   writes one.
 
+NOTE: a key is never compared with a stored key: it is hashed and the digest
+looked up, so how long a lookup takes depends on the digest, never on how much
+of a guessed key matches (no timing oracle), and no key is ever logged.
+
 Without a store the gateway runs in single-user mode: every call is the
 tenant ``default`` with every scope.
 """

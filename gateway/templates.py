@@ -19,7 +19,10 @@ created; its content never changes (a new content is a new name).
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import re
+import secrets
 import time
 from array import array
 from collections.abc import Sequence
@@ -27,9 +30,14 @@ from dataclasses import dataclass
 
 import redis
 
+from gateway.limits import LimitExceeded, TenantLimits
+from gateway.template_scripts import TemplateScripts
+
 NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
 MAX_PAGE_SIZE = 500
 DEFAULT_PAGE_SIZE = 50
+MAX_TTL_S = 10 * 365 * 24 * 3600
+MAX_DESCRIPTION = 1024
 
 
 class TemplateNotFound(LookupError):
@@ -56,14 +64,19 @@ class Template:
     cached_tokens: int
 
 
-def check_name(name: str) -> None:
+def check_name(name: str, field: str = "name") -> None:
     if not NAME.match(name):
-        raise ValueError(f"template name {name!r} is not allowed: use [a-z0-9][a-z0-9._-]{{0,127}}")
+        raise ValueError(f"{field}: {name[:200]!r} is not allowed as a template name: use [a-z0-9][a-z0-9._-]{{0,127}}")
 
 
 def check_ttl(ttl_seconds: int) -> None:
-    if ttl_seconds < 0:
-        raise ValueError(f"ttl_seconds must be >= 0, got {ttl_seconds}")
+    if not 0 <= ttl_seconds <= MAX_TTL_S:
+        raise ValueError(f"ttl_seconds must be in [0, {MAX_TTL_S}] (0: no expiry), got {ttl_seconds}")
+
+
+def check_description(description: str) -> None:
+    if len(description) > MAX_DESCRIPTION:
+        raise ValueError(f"description is {len(description)} characters; at most {MAX_DESCRIPTION}")
 
 
 class TemplateStore:
@@ -75,6 +88,8 @@ class TemplateStore:
     def __init__(self, client: redis.Redis, prefix: str = "kvd:") -> None:
         self.redis = client
         self.prefix = prefix
+        self._page_secret: bytes | None = None
+        self._scripts = TemplateScripts(client)
 
     def _key(self, tenant: str, name: str) -> str:
         return f"{self.prefix}tpl:{tenant}:{name}"
@@ -87,36 +102,49 @@ class TemplateStore:
         return f"{self.prefix}tpl-warm"
 
     def create(
-        self, tenant: str, name: str, content: str, token_ids: Sequence[int], ttl_seconds: int, description: str
+        self,
+        tenant: str,
+        name: str,
+        content: str,
+        token_ids: Sequence[int],
+        ttl_seconds: int,
+        description: str,
+        limits: TenantLimits | None = None,
+        pin_blocks: int = 0,
     ) -> Template:
-        """Stores a new template.
+        """Stores a new template (``pin_blocks``: the blocks it will pin).
 
         Raises:
             ValueError: a bad name, empty content or a negative TTL.
             TemplateExists: the tenant already has this name.
+            LimitExceeded: past the tenant's template or pinned-block limit.
         """
         check_name(name)
         check_ttl(ttl_seconds)
         if not content or not token_ids:
             raise ValueError("template content must not be empty")
+        limits = limits or TenantLimits()
         fields = {
             "content": content,
             "token_ids": array("I", token_ids).tobytes(),
             "description": description,
             "create_time": repr(time.time()),
             "cached_tokens": 0,
+            "pin_blocks": pin_blocks,
         }
-        key = self._key(tenant, name)
-        with self._redis() as r:
-            # HSETNX on one field makes creation atomic: a concurrent create loses.
-            if not r.hsetnx(key, "content", content):
-                raise TemplateExists(f"template {name!r} already exists")
-            pipe = r.pipeline()
-            pipe.hset(key, mapping=fields)
-            if ttl_seconds:
-                pipe.expire(key, ttl_seconds)
-            pipe.zadd(self._index(tenant), {name: 0})
-            pipe.execute()
+        pairs = [x for item in fields.items() for x in item]
+        args = [name, ttl_seconds, limits.max_templates, limits.max_pinned_blocks, pin_blocks, self._key(tenant, "")]
+        with self._redis():
+            created = self._scripts.create(keys=[self._key(tenant, name), self._index(tenant)], args=[*args, *pairs])
+        if created == 0:
+            raise TemplateExists(f"template {name!r} already exists")
+        if created == -1:
+            raise LimitExceeded(f"max_templates: tenant {tenant!r} has {limits.max_templates} templates (the limit)")
+        if created == -2:
+            raise LimitExceeded(
+                f"max_pinned_blocks: this template's {pin_blocks} blocks would take tenant {tenant!r} past its "
+                f"limit of {limits.max_pinned_blocks} pinned blocks"
+            )
         return self.get(tenant, name)
 
     def get(self, tenant: str, name: str) -> Template:
@@ -125,37 +153,27 @@ class TemplateStore:
             pipe.hgetall(self._key(tenant, name))
             pipe.pttl(self._key(tenant, name))
             fields, ttl_ms = pipe.execute()
-        if not fields:
+        if b"token_ids" not in fields:  # none, or debris of an old half-written create
             raise TemplateNotFound(f"template {name!r} not found")
         return _template(tenant, name, fields, ttl_ms)
 
     def set_cached_tokens(self, tenant: str, name: str, cached_tokens: int) -> None:
-        with self._redis() as r:
-            # XX semantics: never resurrect an expired or deleted template.
-            if r.exists(self._key(tenant, name)):
-                r.hset(self._key(tenant, name), "cached_tokens", cached_tokens)
+        with self._redis():
+            self._scripts.set_if_present(keys=[self._key(tenant, name)], args=["cached_tokens", cached_tokens])
 
     def update(self, tenant: str, name: str, ttl_seconds: int | None, description: str | None) -> Template:
-        key = self._key(tenant, name)
-        with self._redis() as r:
-            if not r.exists(key):
+        if ttl_seconds is not None:
+            check_ttl(ttl_seconds)
+        ttl = "keep" if ttl_seconds is None else str(ttl_seconds)
+        with self._redis():
+            args = [ttl, description or "", "keep" if description is None else "set"]
+            if not self._scripts.update(keys=[self._key(tenant, name)], args=args):
                 raise TemplateNotFound(f"template {name!r} not found")
-            if ttl_seconds is not None:
-                check_ttl(ttl_seconds)
-                if ttl_seconds:
-                    r.expire(key, ttl_seconds)
-                else:
-                    r.persist(key)
-            if description is not None:
-                r.hset(key, "description", description)
         return self.get(tenant, name)
 
     def delete(self, tenant: str, name: str) -> None:
-        with self._redis() as r:
-            pipe = r.pipeline()
-            pipe.delete(self._key(tenant, name))
-            pipe.zrem(self._index(tenant), name)
-            deleted, _ = pipe.execute()
+        with self._redis():
+            deleted = self._scripts.delete(keys=[self._key(tenant, name), self._index(tenant)], args=[name])
         if not deleted:
             raise TemplateNotFound(f"template {name!r} not found")
 
@@ -164,7 +182,7 @@ class TemplateStore:
         if page_size < 0:
             raise ValueError(f"page_size must be >= 0, got {page_size}")
         size = min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
-        start = f"({page_token}" if page_token else "-"
+        start = f"({self._after(tenant, page_token)}" if page_token else "-"
         found: list[Template] = []
         with self._redis() as r:
             while len(found) < size:
@@ -178,7 +196,31 @@ class TemplateStore:
                         r.zrem(self._index(tenant), name)
                 start = f"({names[-1]}"
             more = r.zrangebylex(self._index(tenant), start, "+", 0, 1)
-        return found, (found[-1].name if more else "")
+        return found, (self._page_token(tenant, found[-1].name) if more else "")
+
+    # NOTE: a page token is the last name of its page, signed with a key kept
+    # in Redis (shared by every gateway on it): a token no listing produced,
+    # or one of another tenant, is refused rather than read as a position.
+    def _page_token(self, tenant: str, last_name: str) -> str:
+        return f"{last_name}.{self._signature(tenant, last_name)}"
+
+    def _after(self, tenant: str, page_token: str) -> str:
+        last_name, _, signature = page_token.rpartition(".")
+        if not (NAME.match(last_name) and hmac.compare_digest(signature, self._signature(tenant, last_name))):
+            raise ValueError("page_token: not a token from a previous ListTemplates page")
+        return last_name
+
+    def _signature(self, tenant: str, last_name: str) -> str:
+        message = f"{tenant}\0{last_name}".encode()
+        return hmac.new(self._page_key(), message, hashlib.sha256).hexdigest()[:32]
+
+    def _page_key(self) -> bytes:
+        if self._page_secret is None:
+            key = f"{self.prefix}page-token-key"
+            with self._redis() as r:
+                r.set(key, secrets.token_bytes(32), nx=True)  # the first gateway's key is everyone's
+                self._page_secret = r.get(key)
+        return self._page_secret
 
     def count(self, tenant: str) -> int:
         with self._redis() as r:
@@ -186,7 +228,7 @@ class TemplateStore:
 
     def exists(self, tenant: str, name: str) -> bool:
         with self._redis() as r:
-            return bool(r.exists(self._key(tenant, name)))
+            return bool(r.hexists(self._key(tenant, name), "token_ids"))
 
     def ping(self) -> None:
         with self._redis() as r:
@@ -212,7 +254,7 @@ class TemplateStore:
         with self._redis() as r:
             pipe = r.pipeline()
             for member in members:
-                pipe.exists(self._key(*split_warm_member(member)))
+                pipe.hexists(self._key(*split_warm_member(member)), "token_ids")
             return [bool(n) for n in pipe.execute()]
 
     def _redis(self):

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
-from inference import attention, model_store
+from inference import attention, model_store, model_support
 from inference.engine import Engine, EngineConfig
-from inference.service import EngineService, ModelInfo, build_server, set_health
-from kvd.client import DaemonClient, Session
+from inference.service import EngineService, ModelInfo, build_server
+from kvd.client import DaemonClient, DaemonSession
 from kvd.layout import CacheLayout
 
 log = logging.getLogger("inference.app")
@@ -26,6 +26,7 @@ class EngineSettings:
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on GPU
     device: str = "auto"
     kvd_address: str = ""
+    kvd_token: str | None = None  # what the daemon's TCP listener needs
     listen: str = "127.0.0.1:50052"
     token_budget: int = 512
     max_num_seqs: int = 64
@@ -33,8 +34,9 @@ class EngineSettings:
     prefix_caching: bool = True
 
     def __post_init__(self) -> None:
-        if self.attention_backend not in ("auto", "torch", "flash-attn"):
-            raise ValueError(f"attention_backend must be auto, torch or flash-attn, got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", *attention.BACKENDS):
+            choices = ", ".join(("auto", *attention.BACKENDS))
+            raise ValueError(f"attention_backend must be one of {choices}, got {self.attention_backend!r}")
         if not self.kvd_address:
             raise ValueError("kvd_address must be set (unix:PATH or HOST:PORT)")
 
@@ -47,12 +49,14 @@ class EngineApp:
         self.device = _resolve_device(settings.device)
         self.dtype = settings.dtype or model_store.default_dtype(self.device)
         path = model_store.resolve_model(settings.model, settings.model_cache_dir or model_store.default_cache_dir())
+        model_support.check_supported(model_store.load_config(path))  # before loading any weights
         self.model = model_store.load_model(path, model_store.parse_dtype(self.dtype), self.device)
         self.tokenizer = model_store.load_tokenizer(path)
-        self.spec = model_store.model_layout(self.model.config, self.model.generation_config)
+        self.spec = model_store.model_spec(self.model.config, self.model.generation_config)
         self.backend = attention.choose_backend(settings.attention_backend, self.device)
         self.model.set_attn_implementation(attention.BACKENDS[self.backend])
-        self.layout = CacheLayout(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim, 1, self.dtype)
+        kv = self.spec.layout
+        self.layout = CacheLayout(kv.num_layers, kv.num_kv_heads, kv.head_dim, 1, self.dtype)
         self.engine = Engine(
             self.model,
             self.tokenizer,
@@ -70,11 +74,11 @@ class EngineApp:
             vocab_size=self.spec.vocab_size,
             eos_token_ids=set(self.spec.eos_token_ids),
             block_size=0,
+            model_type=self.model.config.model_type,
         )
         service = EngineService(self.engine, self.tokenizer, self.info, prefix_caching=settings.prefix_caching)
-        self.server, self.health = build_server(service)
-        self.port = self.server.add_insecure_port(settings.listen)
-        set_health(self.health, False)
+        self.server = build_server(service)
+        self.port = self.server.add_port(settings.listen)
 
     def start(self) -> None:
         self.server.start()
@@ -86,12 +90,11 @@ class EngineApp:
         )  # fmt: skip
 
     def stop(self) -> None:
-        set_health(self.health, False)
-        self.server.stop(grace=2).wait()
+        self.server.stop(grace_s=2)
         self.engine.stop()
 
-    def _attach(self) -> Session:
-        client = DaemonClient.connect(self.settings.kvd_address, timeout_s=2.0)
+    def _attach(self) -> DaemonSession:
+        client = DaemonClient.connect(self.settings.kvd_address, timeout_s=2.0, token=self.settings.kvd_token)
         try:
             session = client.attach(f"engine:{self.info.name}", self.layout)
         except Exception:
@@ -109,7 +112,7 @@ class EngineApp:
         return session
 
     def _health_changed(self, healthy: bool) -> None:
-        set_health(self.health, healthy)
+        self.server.set_serving(healthy)
 
 
 def _resolve_device(device: str) -> str:

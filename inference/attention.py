@@ -16,11 +16,44 @@ The flattened batch, for three sequences::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+
+from inference.kernels.launch import BLOCK_MULTIPLE, LaunchShape
+
+
+@dataclass(frozen=True, slots=True)
+class LayerAttention:
+    """What one layer's attention does differently from plain causal softmax attention.
+
+    Built from what the stock modeling code passes every attention call (the
+    same keywords its own SDPA and flash integrations read), so each family's
+    own rules (Gemma's alternating local/global layers, ``layer_types``,
+    Mistral's global window) decide it, not a copy of them here.
+
+    Attributes:
+        scale: multiplies the scores (``head_dim ** -0.5``, Gemma's
+            ``query_pre_attn_scalar ** -0.5``, Granite's ``attention_multiplier``).
+        window: a query sees only the last ``window`` positions, itself
+            included (None: all of them).
+        softcap: scores become ``softcap * tanh(scores / softcap)`` before
+            masking (Gemma 2; None: not capped).
+    """
+
+    scale: float
+    window: int | None = None
+    softcap: float | None = None
+
+    @classmethod
+    def of_call(cls, head_dim: int, scaling: float | None, kwargs: dict) -> LayerAttention:
+        return cls(
+            scale=scaling if scaling is not None else head_dim**-0.5,
+            window=kwargs.get("sliding_window") or None,
+            softcap=kwargs.get("softcap") or None,
+        )
 
 
 @dataclass
@@ -50,12 +83,36 @@ class DecodeBatch:
     own_mask: torch.Tensor
 
 
+@dataclass(frozen=True)
+class StepTensors:
+    """A step's padded inputs on the model's device (views of one copy).
+
+    Attributes:
+        slot_mapping: ``[tokens]`` int32, each token's cache slot
+            (``block * block_size + offset``), -1: do not write.
+        query_start: ``[seqs + 1]`` int32, where each sequence's tokens start.
+        seq_lens: ``[seqs]`` int32, each sequence's positions after the step.
+        block_table: ``[seqs, width]`` int32, each sequence's blocks.
+        launch: the host-side sizes a kernel launch needs (known before the forward).
+    """
+
+    slot_mapping: torch.Tensor
+    query_start: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    launch: LaunchShape
+
+
 @dataclass
 class AttentionMetadata:
     """Everything one step's attention needs beyond Q, K and V.
 
+    The GPU backends read ``step``; the torch backend reads the host-side
+    plan below it (lists and per-sequence tensors, cheap on the CPU).
+
     Attributes:
         kv_cache: the daemon's cache ``[blocks, layers, 2, block_size, kv_heads, head_dim]``.
+        step: the step's padded device tensors.
         query_start: per sequence, where its tokens start in the flattened
             batch (``num_seqs + 1`` entries).
         context_lens: per sequence, the tokens visible after this step
@@ -74,15 +131,45 @@ class AttentionMetadata:
     """
 
     kv_cache: torch.Tensor
+    step: StepTensors
     query_start: list[int]
     context_lens: list[int]
-    block_tables: list[torch.Tensor]
-    write_index: torch.Tensor
-    write_blocks: torch.Tensor
-    write_offsets: torch.Tensor
-    chunk_masks: list[torch.Tensor | None]
+    block_tables: list[torch.Tensor] = field(default_factory=list)
+    write_index: torch.Tensor | None = None
+    write_blocks: torch.Tensor | None = None
+    write_offsets: torch.Tensor | None = None
+    chunk_masks: list[torch.Tensor | None] = field(default_factory=list)
     decode: DecodeBatch | None = None
     looped: list[int] | None = None
+    window_masks: dict = field(default_factory=dict)
+
+    def mask(self, i: int, window: int | None) -> torch.Tensor | None:
+        """Sequence ``i``'s chunk mask for a layer with this window (built
+        once a step per window, then shared by the layers that use it)."""
+        if window is None or self.context_lens[i] <= window:
+            return self.chunk_masks[i]
+        key = (i, window)
+        if key not in self.window_masks:
+            q_len = self.query_start[i + 1] - self.query_start[i]
+            self.window_masks[key] = chunk_mask(q_len, self.context_lens[i], self.kv_cache, window)
+        return self.window_masks[key]
+
+    def decode_window_mask(self, window: int | None) -> torch.Tensor | None:
+        """The batched decodes' additive mask ``[B, P + S]`` over their
+        positions (prefix then own), hiding those before each one's window
+        (None: every position is inside it)."""
+        if window is None:
+            return None
+        key = ("decode", window)
+        if key not in self.window_masks:
+            batch = self.decode
+            prefix_len = batch.prefix_blocks.shape[0] * self.kv_cache.shape[3]
+            lens = prefix_len + (batch.own_mask == 0).sum(dim=1)
+            positions = torch.arange(prefix_len + batch.own_mask.shape[1], device=lens.device)
+            hidden = positions[None, :] < (lens - window)[:, None]
+            mask = torch.zeros(hidden.shape, dtype=self.kv_cache.dtype, device=lens.device)
+            self.window_masks[key] = mask.masked_fill_(hidden, float("-inf")) if hidden.any() else None
+        return self.window_masks[key]
 
 
 def store_new_kv(
@@ -128,26 +215,33 @@ def torch_paged_attention(
     meta = attn_metadata
     layer_k, layer_v = store_new_kv(module.layer_idx, key, value, meta)
     q = query[0]
-    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    layer = LayerAttention.of_call(q.shape[-1], scaling, kwargs)
     out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)
     looped = range(len(meta.context_lens)) if meta.looped is None else meta.looped
     for i in looped:
         start, end = meta.query_start[i], meta.query_start[i + 1]
         k = gather_kv(layer_k, meta.block_tables[i], meta.context_lens[i])
         v = gather_kv(layer_v, meta.block_tables[i], meta.context_lens[i])
-        out[start:end] = _attend(q[:, start:end], k, v, scale, meta.chunk_masks[i]).transpose(0, 1)
+        out[start:end] = _attend(q[:, start:end], k, v, layer, meta.mask(i, layer.window)).transpose(0, 1)
     if meta.decode is not None:
-        out[meta.decode.rows] = _attend_decodes(q, layer_k, layer_v, meta.decode, scale)
+        window_mask = meta.decode_window_mask(layer.window)
+        out[meta.decode.rows] = _attend_decodes(q, layer_k, layer_v, meta.decode, layer, window_mask)
     return out.unsqueeze(0), None
 
 
 def _attend_decodes(
-    q: torch.Tensor, layer_k: torch.Tensor, layer_v: torch.Tensor, batch: DecodeBatch, scale: float
+    q: torch.Tensor,
+    layer_k: torch.Tensor,
+    layer_v: torch.Tensor,
+    batch: DecodeBatch,
+    layer: LayerAttention,
+    window_mask: torch.Tensor | None,
 ) -> torch.Tensor:
     """One query per sequence over its shared prefix and its own positions.
 
     Args:
         q: the step's queries ``[heads, tokens, head_dim]``.
+        window_mask: :meth:`AttentionMetadata.decode_window_mask` for the layer.
 
     Returns:
         ``[B, heads, head_dim]``.
@@ -178,9 +272,12 @@ def _attend_decodes(
     prefix_scores = torch.bmm(by_kv_head, prefix_k.permute(1, 2, 0)).view(kv_heads, group, n, prefix_len)
     every_pair = torch.bmm(queries.transpose(0, 1), own_k.transpose(1, 2)).view(n, kv_heads, group, own_len, kv_heads)
     own_scores = every_pair.diagonal(dim1=1, dim2=4)  # [B, g, S, k]
-    own_scores += batch.own_mask[:, None, :, None]
     scores = torch.cat((prefix_scores.transpose(1, 2), own_scores.permute(3, 0, 1, 2)), dim=-1)  # [k, B, g, P + S]
-    probs = (scores * scale).softmax(dim=-1)
+    scores = _capped(scores * layer.scale, layer.softcap)
+    scores[..., prefix_len:] += batch.own_mask[:, None, :]
+    if window_mask is not None:
+        scores += window_mask[:, None, :]
+    probs = scores.softmax(dim=-1)
 
     from_prefix = torch.bmm(probs[..., :prefix_len].reshape(kv_heads, n * group, prefix_len), prefix_v.transpose(0, 1))
     spread = torch.zeros_like(every_pair)  # own probabilities on the diagonal, zero for the other KV heads
@@ -189,24 +286,41 @@ def _attend_decodes(
     return (from_own + from_prefix.view(kv_heads, n, group, head_dim).transpose(0, 1)).reshape(n, heads, head_dim)
 
 
-def chunk_mask(q_len: int, k_len: int, like: torch.Tensor) -> torch.Tensor | None:
+def chunk_mask(q_len: int, k_len: int, like: torch.Tensor, window: int | None = None) -> torch.Tensor | None:
     """The additive causal mask ``[q_len, k_len]`` (0 visible, -inf hidden) of
     a chunk whose queries are the last ``q_len`` of ``k_len`` positions, in
-    ``like``'s dtype and device; None when none is needed (one query, or a
-    square chunk: SDPA's own causal flag)."""
-    if q_len == 1 or q_len == k_len:
+    ``like``'s dtype and device; a ``window`` also hides the positions more
+    than ``window - 1`` before each query. None when none is needed (one
+    query, or a square chunk: SDPA's own causal flag), unless the window
+    hides some position."""
+    windowed = window is not None and k_len > window
+    if (q_len == 1 or q_len == k_len) and not windowed:
         return None
+    return _full_mask(q_len, k_len, like, window)
+
+
+def _full_mask(q_len: int, k_len: int, like: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """:func:`chunk_mask`, always built."""
     # Bottom-right aligned: query j sits at position k_len - q_len + j.
     hidden = torch.ones(q_len, k_len, dtype=torch.bool, device=like.device).triu_(diagonal=k_len - q_len + 1)
+    if window is not None and k_len > window:
+        hidden |= torch.ones_like(hidden).tril_(diagonal=k_len - q_len - window)
     return torch.zeros(q_len, k_len, dtype=like.dtype, device=like.device).masked_fill_(hidden, float("-inf"))
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
+def _capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Gemma 2's logit soft-capping (``softcap * tanh(scores / softcap)``), on scaled scores."""
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerAttention, mask: torch.Tensor | None
+) -> torch.Tensor:
     """Causal attention of the last ``q_len`` positions over ``k_len`` keys.
 
     Args:
         q: ``[heads, q_len, head_dim]``; k, v: ``[k_len, kv_heads, head_dim]`` (as gathered).
-        mask: :func:`chunk_mask` of the chunk.
+        mask: :func:`chunk_mask` of the chunk for the layer's window.
 
     Returns:
         ``[heads, q_len, head_dim]``.
@@ -214,13 +328,33 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mas
     NOTE: SDPA with grouped KV heads (``enable_gqa``) over transposed views:
     its fused kernel skips the masked half of a chunk and never materialises
     the scores; on the CPU it measured 1.3-2.2x faster than grouped einsums
-    for prefill chunks of 16-512 tokens over 512-1,016 keys.
+    for prefill chunks of 16-512 tokens over 512-1,016 keys. SDPA cannot
+    soft-cap, so a capped layer takes the explicit path.
     """
+    if layer.softcap is not None:
+        return _attend_capped(q, k, v, layer, mask)
     out = F.scaled_dot_product_attention(
         q[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-        attn_mask=mask, is_causal=mask is None and q.shape[1] > 1, scale=scale, enable_gqa=True,
+        attn_mask=mask, is_causal=mask is None and q.shape[1] > 1, scale=layer.scale, enable_gqa=True,
     )  # fmt: skip
     return out[0]
+
+
+def _attend_capped(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerAttention, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """:func:`_attend` with the scores soft-capped before masking."""
+    heads, q_len, head_dim = q.shape
+    kv_heads = k.shape[1]
+    by_kv_head = q.reshape(kv_heads, heads // kv_heads * q_len, head_dim)
+    scores = torch.bmm(by_kv_head, k.permute(1, 2, 0)).view(heads, q_len, -1)  # [heads, q_len, k_len]
+    scores = _capped(scores * layer.scale, layer.softcap)
+    if mask is None and q_len > 1:
+        mask = _full_mask(q_len, k.shape[0], q)  # the square chunk SDPA would mask by its causal flag
+    if mask is not None:
+        scores += mask
+    probs = scores.softmax(dim=-1).view(kv_heads, heads // kv_heads * q_len, -1)
+    return torch.bmm(probs, v.transpose(0, 1)).view(heads, q_len, head_dim)
 
 
 def flash_paged_attention(
@@ -234,43 +368,78 @@ def flash_paged_attention(
     attn_metadata: AttentionMetadata | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """flash-attn's paged varlen kernel (GPU; block sizes multiple of 256)."""
+    """flash-attn's paged varlen kernel (GPU; block sizes multiple of 256); K/V
+    stored by the Triton kernel."""
     from flash_attn import flash_attn_varlen_func
 
-    meta = attn_metadata
-    layer_k, layer_v = store_new_kv(module.layer_idx, key, value, meta)
-    device = query.device
-    lengths = [end - start for start, end in zip(meta.query_start, meta.query_start[1:], strict=False)]
-    width = max(len(t) for t in meta.block_tables)
-    tables = torch.zeros(len(meta.block_tables), width, dtype=torch.int32, device=device)
-    for i, table in enumerate(meta.block_tables):
-        tables[i, : len(table)] = table
+    from inference.kernels.kv_store import store_kv
+
+    step = attn_metadata.step
+    layer_k = attn_metadata.kv_cache[:, module.layer_idx, 0]
+    layer_v = attn_metadata.kv_cache[:, module.layer_idx, 1]
+    store_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), layer_k, layer_v, step.slot_mapping)
+    seq_lens = step.seq_lens
+    layer = LayerAttention.of_call(query.shape[-1], scaling, kwargs)
     out = flash_attn_varlen_func(
         query[0].transpose(0, 1),
         layer_k,
         layer_v,
-        cu_seqlens_q=torch.tensor(meta.query_start, dtype=torch.int32, device=device),
-        cu_seqlens_k=torch.tensor([0, *_cumsum(meta.context_lens)], dtype=torch.int32, device=device),
-        max_seqlen_q=max(lengths),
-        max_seqlen_k=max(meta.context_lens),
-        softmax_scale=scaling,
+        cu_seqlens_q=step.query_start,
+        cu_seqlens_k=torch.nn.functional.pad(seq_lens.cumsum(0, dtype=torch.int32), (1, 0)),
+        max_seqlen_q=step.launch.max_query_len,
+        max_seqlen_k=step.block_table.shape[1] * layer_k.shape[1],
+        softmax_scale=layer.scale,
         causal=True,  # bottom-right aligned in flash-attn >= 2.1
-        block_table=tables,
+        # A query sees itself and the window - 1 keys before it.
+        window_size=(layer.window - 1, 0) if layer.window else (-1, -1),
+        softcap=layer.softcap or 0.0,
+        block_table=step.block_table,
     )
     return out.unsqueeze(0), None
 
 
-def _cumsum(values: list[int]) -> list[int]:
-    total, out = 0, []
-    for value in values:
-        total += value
-        out.append(total)
-    return out
+def triton_paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    attn_metadata: AttentionMetadata | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The GPU default: Triton kernels, two launches a layer (store, attend)
+    over the step's padded tensors; no host work, no sync.
+
+    ``sliding_window`` and ``softcap`` are what the modeling code of models
+    that have them passes (a layer's window, Gemma-style logit soft-capping).
+    """
+    from inference.kernels.kv_store import store_kv
+    from inference.kernels.paged_attention import paged_attention
+
+    meta = attn_metadata
+    if meta is None:
+        raise RuntimeError("paged attention needs attn_metadata; run the model through the engine's ModelRunner")
+    step = meta.step
+    layer_k = meta.kv_cache[:, module.layer_idx, 0]
+    layer_v = meta.kv_cache[:, module.layer_idx, 1]
+    store_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), layer_k, layer_v, step.slot_mapping)
+    layer = LayerAttention.of_call(query.shape[-1], scaling, {"sliding_window": sliding_window, "softcap": softcap})
+    out = paged_attention(
+        query[0].transpose(0, 1), layer_k, layer_v, step.block_table, step.query_start, step.seq_lens, step.launch,
+        scale=layer.scale, logit_softcap=layer.softcap, sliding_window=layer.window,
+    )  # fmt: skip
+    return out.unsqueeze(0), None
 
 
-BACKENDS = {"torch": "kvd_paged_torch", "flash-attn": "kvd_paged_flash"}
-#: flash-attn's paged KV path reads whole pages of this many tokens.
-FLASH_BLOCK_MULTIPLE = 256
+BACKENDS = {"torch": "kvd_paged_torch", "triton": "kvd_paged_triton", "flash-attn": "kvd_paged_flash"}
+_FUNCTIONS = {"torch": torch_paged_attention, "triton": triton_paged_attention, "flash-attn": flash_paged_attention}
+#: Each backend pages with block sizes that are multiples of this (flash-attn
+#: reads whole pages of 256 tokens; a Triton tile never straddles two blocks).
+BLOCK_MULTIPLES = {"torch": 1, "triton": BLOCK_MULTIPLE, "flash-attn": 256}
 
 
 def flash_attn_available() -> bool:
@@ -281,29 +450,41 @@ def flash_attn_available() -> bool:
     return True
 
 
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def choose_backend(requested: str, device: str) -> str:
-    """The backend to use; registers both with transformers.
+    """The backend to use (``auto``: Triton on CUDA, torch elsewhere);
+    registers them all with transformers.
 
     Raises:
-        ValueError: flash-attn asked for where it cannot run.
+        ValueError: a GPU backend asked for where it cannot run.
     """
-    AttentionInterface.register(BACKENDS["torch"], torch_paged_attention)
-    AttentionInterface.register(BACKENDS["flash-attn"], flash_paged_attention)
+    for name, function in _FUNCTIONS.items():
+        AttentionInterface.register(BACKENDS[name], function)
     on_gpu = device.startswith("cuda")
     if requested == "flash-attn" and not (on_gpu and flash_attn_available()):
         raise ValueError("--attention-backend flash-attn needs a CUDA device and the flash-attn package")
+    if requested == "triton" and not (on_gpu and triton_available()):
+        raise ValueError("--attention-backend triton needs a CUDA device and the triton package")
     if requested == "auto":
-        return "flash-attn" if on_gpu and flash_attn_available() else "torch"
+        return "triton" if on_gpu and triton_available() else "torch"
     return requested
 
 
 def block_size_fits(backend: str, block_size: int) -> bool:
     """Whether the backend can page with the daemon's block size (checked at attach)."""
-    return backend != "flash-attn" or block_size % FLASH_BLOCK_MULTIPLE == 0
+    return block_size % BLOCK_MULTIPLES[backend] == 0
 
 
 def block_size_message(backend: str, block_size: int) -> str:
+    multiple = BLOCK_MULTIPLES[backend]
     return (
-        f"the {backend} backend needs a block size that is a multiple of {FLASH_BLOCK_MULTIPLE}; "
-        f"the daemon uses {block_size} (start it with --block-size 256, or use --attention-backend torch)"
+        f"the {backend} backend needs a block size that is a multiple of {multiple}; "
+        f"the daemon uses {block_size} (start it with --block-size {multiple}, or use --attention-backend torch)"
     )

@@ -15,7 +15,8 @@ import threading
 from pathlib import Path
 
 from kvd import logs
-from kvd.cli import default_socket, env_default
+from kvd.auth import read_token
+from kvd.cli import default_socket, env_default, refuse_retired_variables
 
 log = logging.getLogger("inference")
 
@@ -29,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         default=env_default("KVD_MODEL", "smollm2"),
-        help="'smollm2' (the bundled SmolLM2-135M-Instruct), a local HF model folder, or a .gguf file (KVD_MODEL)",
+        help="'smollm2' (the bundled SmolLM2-135M-Instruct), a local HF model folder, or a .gguf file, "
+        "of a supported family (README: Model families; others are refused) (KVD_MODEL)",
     )
     p.add_argument(
         "--model-cache-dir",
@@ -37,9 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="where converted models are kept (KVD_MODEL_CACHE_DIR)",
     )
     p.add_argument(
+        "--model-dtype",
         "--dtype",
-        default=env_default("KVD_DTYPE", ""),
-        help="float64, float32 (CPU default), bfloat16 (GPU default), float16 (KVD_DTYPE)",
+        dest="dtype",
+        default=env_default("KVD_MODEL_DTYPE", ""),
+        help="the model's dtype: float64, float32 (CPU default), bfloat16 (GPU default), float16 (KVD_MODEL_DTYPE)",
     )
     p.add_argument(
         "--device", default=env_default("KVD_ENGINE_DEVICE", "auto"), help="auto, cpu or cuda[:N] (KVD_ENGINE_DEVICE)"
@@ -48,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--kvd-address",
         default=env_default("KVD_ADDRESS", f"unix:{default_socket()}"),
         help="the daemon: unix:PATH or HOST:PORT (KVD_ADDRESS)",
+    )
+    p.add_argument(
+        "--kvd-token-file",
+        default=env_default("KVD_TOKEN_FILE", ""),
+        help="a file with the token of the daemon's TCP listener (KVD_TOKEN_FILE)",
     )
     p.add_argument(
         "--listen", default=env_default("KVD_ENGINE_ADDR", "127.0.0.1:50052"), help="gRPC address (KVD_ENGINE_ADDR)"
@@ -67,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--attention-backend",
         default=env_default("KVD_ATTENTION_BACKEND", "auto"),
-        help="auto (flash-attn on GPU when installed, else torch), torch, flash-attn (KVD_ATTENTION_BACKEND)",
+        help="auto (triton on a GPU, torch elsewhere), torch, triton, flash-attn (KVD_ATTENTION_BACKEND)",
     )
     p.add_argument(
         "--no-prefix-caching",
@@ -80,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    refuse_retired_variables("kvd-engine")
     args = build_parser().parse_args(argv)
     logs.configure(args.log_level)
     # NOTE: before torch loads OpenMP. Spinning worker threads cost 3-5x per
@@ -95,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             dtype=args.dtype or None,
             device=args.device,
             kvd_address=args.kvd_address,
+            kvd_token=read_token(args.kvd_token_file, "daemon token") if args.kvd_token_file else None,
             listen=args.listen,
             token_budget=args.token_budget,
             max_num_seqs=args.max_num_seqs,

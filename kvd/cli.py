@@ -42,6 +42,23 @@ def env_default(name: str, default):
     return os.environ.get(name, default)
 
 
+# Variables no longer read, and what replaced them: a container started with
+# one is refused rather than silently run with a default.
+RETIRED_VARIABLES = {
+    "KVD_DTYPE": (
+        "KVD_DTYPE is no longer read: it meant the daemon's cache dtype and the engine's model dtype at once. "
+        "Set KVD_CACHE_DTYPE (the daemon, with --num-layers) or KVD_MODEL_DTYPE (the engine) instead."
+    ),
+}
+
+
+def refuse_retired_variables(prog: str) -> None:
+    """Exits with status 2 and a message naming the replacement when a retired variable is set."""
+    for name, message in RETIRED_VARIABLES.items():
+        if name in os.environ:
+            raise SystemExit(f"{prog}: {message}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvd",
@@ -56,6 +73,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--listen",
         default=env_default("KVD_LISTEN", ""),
         help="also listen on TCP HOST:PORT, e.g. 0.0.0.0:50061 (KVD_LISTEN)",
+    )
+    net.add_argument(
+        "--token-file",
+        default=env_default("KVD_TOKEN_FILE", ""),
+        help="a file with the token TCP callers must send (needed with --listen) (KVD_TOKEN_FILE)",
+    )
+    net.add_argument(
+        "--admin-token-file",
+        default=env_default("KVD_ADMIN_TOKEN_FILE", ""),
+        help="a file with the token of Reset and InspectBlock on TCP; without it they are unix-socket only "
+        "(KVD_ADMIN_TOKEN_FILE)",
     )
     net.add_argument(
         "--metrics-port",
@@ -125,7 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     model.add_argument("--head-dim", type=int, default=int(env_default("KVD_HEAD_DIM", 0)), help="(KVD_HEAD_DIM)")
     model.add_argument(
-        "--dtype", default=env_default("KVD_DTYPE", "float32"), help="cache dtype with --num-layers (KVD_DTYPE)"
+        "--cache-dtype",
+        default=env_default("KVD_CACHE_DTYPE", "float32"),
+        help="the cache's dtype with --num-layers (KVD_CACHE_DTYPE); otherwise the first engine's model dtype",
     )
     p.add_argument("--log-level", default=env_default("KVD_LOG_LEVEL", "info"), help="(KVD_LOG_LEVEL)")
     return p
@@ -140,12 +170,12 @@ def _resolve_device(device: str) -> str:
 
 
 def _config_from_args(args: argparse.Namespace):
-    from kvd.daemon import DaemonConfig
+    from kvd.config import DaemonConfig
     from kvd.layout import CacheLayout
 
     layout = None
     if args.num_layers or args.num_kv_heads or args.head_dim:
-        layout = CacheLayout(args.num_layers, args.num_kv_heads, args.head_dim, args.block_size, args.dtype)
+        layout = CacheLayout(args.num_layers, args.num_kv_heads, args.head_dim, args.block_size, args.cache_dtype)
     return DaemonConfig(
         block_size=args.block_size,
         num_blocks=args.num_blocks,
@@ -178,6 +208,7 @@ def _prepare_socket(path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    refuse_retired_variables("kvd")
     args = build_parser().parse_args(argv)
     logs.configure(args.log_level)
     if args.device.startswith("cuda") or args.device == "auto":
@@ -195,12 +226,17 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"kvd: {exc}", file=sys.stderr)
         return 2
+    try:
+        interceptors = _tcp_auth(args)
+    except ValueError as exc:
+        print(f"kvd: {exc}", file=sys.stderr)
+        return 2
     metrics = DaemonMetrics(daemon)
-    server = build_server(daemon, metrics)
+    server = build_server(daemon, metrics, interceptors=interceptors)
     _prepare_socket(args.socket)
-    server.add_insecure_port(f"unix:{args.socket}")
+    server.add_port(f"unix:{args.socket}")
     if args.listen:
-        server.add_insecure_port(args.listen)
+        server.add_port(args.listen)
     server.start()
     os.chmod(args.socket, 0o600)
     if args.metrics_port:
@@ -212,16 +248,26 @@ def main(argv: list[str] | None = None) -> int:
     return _serve_until_signal(daemon, server)
 
 
+def _tcp_auth(args: argparse.Namespace) -> tuple:
+    """The token check of the TCP listener (none without one: the socket is 0600)."""
+    from kvd.auth import TokenAuth, read_token
+
+    if not args.listen:
+        return ()
+    if not args.token_file:
+        raise ValueError("--listen needs --token-file: the TCP listener accepts only callers with the token")
+    admin = read_token(args.admin_token_file, "admin token") if args.admin_token_file else None
+    return (TokenAuth(read_token(args.token_file, "token"), admin),)
+
+
 def _serve_until_signal(daemon, server) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    interval = min(1.0, daemon.config.lease_s / 4)
-    while not stop.wait(interval):
-        for session_id in daemon.reap_expired():
-            log.warning("session lease expired; its blocks were released", extra={"session": session_id})
+    daemon.start()
+    stop.wait()
     log.info("kvd stopping")
-    server.stop(grace=2).wait()
+    server.stop(grace_s=2)
     daemon.close()
     return 0
 

@@ -14,6 +14,7 @@ import grpc
 import torch
 
 from kvd import wire
+from kvd.auth import BearerToken
 from kvd.layout import CacheLayout
 from kvd.memory import map_kv_cache
 from kvd.step import StepInput, StepOutput
@@ -29,17 +30,18 @@ class DaemonClient:
         self.stub = pb_grpc.KVDaemonStub(channel)
 
     @classmethod
-    def connect(cls, address: str, timeout_s: float = 10.0) -> DaemonClient:
-        """Connects to ``unix:PATH`` or ``HOST:PORT``; waits until it answers."""
+    def connect(cls, address: str, timeout_s: float = 10.0, token: str | None = None) -> DaemonClient:
+        """Connects to ``unix:PATH`` or ``HOST:PORT`` (``token``: what its TCP
+        listener needs, see ``kvd.auth``); waits until it answers."""
         channel = grpc.insecure_channel(address)
         try:
             grpc.channel_ready_future(channel).result(timeout=timeout_s)
         except grpc.FutureTimeoutError:
             channel.close()
             raise ConnectionError(f"the daemon at {address} did not answer within {timeout_s}s") from None
-        return cls(channel)
+        return cls(grpc.intercept_channel(channel, BearerToken(token)) if token else channel)
 
-    def attach(self, client_name: str, layout: CacheLayout | None = None, map_memory: bool = True) -> Session:
+    def attach(self, client_name: str, layout: CacheLayout | None = None, map_memory: bool = True) -> DaemonSession:
         """Opens a session; ``layout`` is the model's (its block size is the daemon's to choose).
 
         Raises:
@@ -49,7 +51,7 @@ class DaemonClient:
         if layout is not None:
             request.layout.CopyFrom(wire.layout_to_pb(layout))
             request.layout.block_size = 0  # the daemon's setting
-        return Session(self, self.stub.Attach(request), map_memory)
+        return DaemonSession(self, self.stub.Attach(request), map_memory)
 
     def lookup(self, token_ids: list[int], cache_salt: bytes = b"") -> int:
         """Cached leading tokens of ``token_ids`` (block-aligned)."""
@@ -84,7 +86,7 @@ class DaemonClient:
         self.close()
 
 
-class Session:
+class DaemonSession:
     """An attached session: keeps its lease alive from a background thread.
 
     Attributes:

@@ -7,12 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-DTYPES: dict[str, torch.dtype] = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-}
+from kvd import dtypes
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,12 +31,11 @@ class CacheLayout:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        dtypes.by_name(self.dtype)
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return dtypes.by_name(self.dtype).torch
 
     @property
     def block_shape(self) -> tuple[int, ...]:

@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Iterator
-from concurrent import futures
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from kvd import wire
 from kvd.block_pool import DEVICE, HOST, AllCleared, BlockEvent, BlockRemoved, BlockStored
-from kvd.daemon import Daemon, EventsSnapshot
+from kvd.daemon import Daemon
 from kvd.errors import CapacityError, NotFoundError, PreconditionError
+from kvd.events import EventsSnapshot
 from kvd.free_queue import FreeBlockQueue
+from kvd.grpc_server import Server, StatusTable
+from kvd.grpc_server import build_server as build_grpc_server
 from kvd.metrics import DaemonMetrics
 from kvd_api.daemon.v1 import daemon_pb2 as pb
 from kvd_api.daemon.v1 import daemon_pb2_grpc as pb_grpc
@@ -25,7 +24,8 @@ log = logging.getLogger("kvd.service")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVDaemon"].full_name
 
-_STATUS_BY_ERROR: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
+# The daemon's exceptions and the statuses callers get for them (kvd.grpc_server).
+STATUS_BY_ERROR: StatusTable = (
     (NotFoundError, grpc.StatusCode.NOT_FOUND),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -33,32 +33,13 @@ _STATUS_BY_ERROR: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
 )
 
 
-def _rpc(method):
-    """Maps the daemon's exceptions to gRPC status codes with their message."""
-
-    @functools.wraps(method)
-    def wrapper(self, request, context):
-        try:
-            return method(self, request, context)
-        except tuple(e for e, _ in _STATUS_BY_ERROR) as exc:
-            code = next(c for e, c in _STATUS_BY_ERROR if isinstance(exc, e))
-            message = str(exc.args[0]) if exc.args else str(exc)
-            context.abort(code, message)
-        except Exception:
-            log.exception("internal error", extra={"rpc": method.__name__})
-            context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method.__name__}; see the daemon's log")
-
-    return wrapper
-
-
 class KVDaemonService(pb_grpc.KVDaemonServicer):
     def __init__(self, daemon: Daemon, metrics: DaemonMetrics | None = None) -> None:
         self.daemon = daemon
         self.metrics = metrics
 
-    @_rpc
     def Describe(self, request, context):
-        memory = self.daemon.describe()
+        memory = self.daemon.cache_memory()
         if memory is None:
             return pb.DescribeResponse(ready=False)
         return pb.DescribeResponse(
@@ -68,7 +49,6 @@ class KVDaemonService(pb_grpc.KVDaemonServicer):
             cache_id=self.daemon.cache_id,
         )
 
-    @_rpc
     def Attach(self, request, context):
         layout = None
         if request.HasField("layout"):
@@ -86,16 +66,13 @@ class KVDaemonService(pb_grpc.KVDaemonServicer):
             cache_id=self.daemon.cache_id,
         )
 
-    @_rpc
     def Heartbeat(self, request, context):
         self.daemon.heartbeat(request.session_id)
         return pb.HeartbeatResponse()
 
-    @_rpc
     def Detach(self, request, context):
         return pb.DetachResponse(released_requests=self.daemon.detach(request.session_id))
 
-    @_rpc
     def Step(self, request, context):
         start = time.perf_counter()
         out = self.daemon.step(request.session_id, wire.step_from_pb(request))
@@ -103,7 +80,6 @@ class KVDaemonService(pb_grpc.KVDaemonServicer):
             self.metrics.step_seconds.observe(time.perf_counter() - start)
         return wire.step_output_to_pb(out)
 
-    @_rpc
     def Lookup(self, request, context):
         hashes, on_host = self.daemon.lookup(list(request.token_ids), request.cache_salt, list(request.extra_keys))
         block_size = self.daemon.config.block_size
@@ -111,24 +87,19 @@ class KVDaemonService(pb_grpc.KVDaemonServicer):
             num_cached_tokens=len(hashes) * block_size, block_hashes=hashes, num_host_cached_tokens=on_host * block_size
         )
 
-    @_rpc
     def Pin(self, request, context):
         blocks = self.daemon.pin(request.pin_id, list(request.token_ids), request.cache_salt, list(request.extra_keys))
         return pb.PinResponse(num_pinned_blocks=blocks, num_pinned_tokens=blocks * self.daemon.config.block_size)
 
-    @_rpc
     def Unpin(self, request, context):
         return pb.UnpinResponse(num_unpinned_blocks=self.daemon.unpin(request.pin_id))
 
-    @_rpc
     def Stats(self, request, context):
         return pb.StatsResponse(**vars(self.daemon.stats()))
 
-    @_rpc
     def Reset(self, request, context):
         return pb.ResetResponse(num_cleared_blocks=self.daemon.reset())
 
-    @_rpc
     def InspectBlock(self, request, context):
         block, digest = self.daemon.inspect_block(request.block_id)
         return pb.InspectBlockResponse(
@@ -144,12 +115,13 @@ class KVDaemonService(pb_grpc.KVDaemonServicer):
         try:
             yield from snapshot_to_pb(snapshot)
             while True:
-                item = subscriber.get()
-                if item is None:
+                batch = subscriber.get()
+                if batch is None:
                     return
-                incarnation, sequence, batch = item
                 yield pb.BlockEvents(
-                    events=[event_to_pb(e) for e in batch], incarnation=incarnation, sequence=sequence
+                    events=[event_to_pb(e) for e in batch.events],
+                    incarnation=batch.incarnation,
+                    sequence=batch.sequence,
                 )
         finally:
             self.daemon.unsubscribe(subscriber)
@@ -181,15 +153,16 @@ def event_to_pb(event: BlockEvent) -> pb.BlockEvent:
     return pb.BlockEvent(all_cleared=pb.AllCleared())
 
 
-def build_server(daemon: Daemon, metrics: DaemonMetrics | None, max_workers: int = 32) -> grpc.Server:
-    """A gRPC server with the daemon, health and reflection services (no port yet)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvd-rpc"))
-    pb_grpc.add_KVDaemonServicer_to_server(KVDaemonService(daemon, metrics), server)
-    health_servicer = health.HealthServicer()
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+def build_server(
+    daemon: Daemon, metrics: DaemonMetrics | None, max_workers: int = 32, interceptors: tuple = ()
+) -> Server:
+    """The daemon's server: its service, health (serving from the start), reflection (no port yet)."""
+    service = KVDaemonService(daemon, metrics)
+    return build_grpc_server(
+        [(pb_grpc.add_KVDaemonServicer_to_server, service, SERVICE_NAME)],
+        STATUS_BY_ERROR,
+        serving=True,
+        max_workers=max_workers,
+        thread_name_prefix="kvd-rpc",
+        interceptors=interceptors,
     )
-    return server

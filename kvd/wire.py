@@ -7,18 +7,11 @@ from __future__ import annotations
 
 from itertools import accumulate
 
+from kvd import dtypes
 from kvd.layout import CacheLayout
 from kvd.memory import CudaIpcExport, Export, KVMemory, SharedMemoryExport
 from kvd.step import AdmissionWork, Scheduled, StepInput, StepOutput
 from kvd_api.daemon.v1 import daemon_pb2 as pb
-
-_DTYPE_TO_PB = {
-    "float16": pb.DTYPE_FLOAT16,
-    "bfloat16": pb.DTYPE_BFLOAT16,
-    "float32": pb.DTYPE_FLOAT32,
-    "float64": pb.DTYPE_FLOAT64,
-}
-_PB_TO_DTYPE = {v: k for k, v in _DTYPE_TO_PB.items()}
 
 
 def layout_to_pb(layout: CacheLayout, num_blocks: int = 0) -> pb.CacheLayout:
@@ -27,21 +20,20 @@ def layout_to_pb(layout: CacheLayout, num_blocks: int = 0) -> pb.CacheLayout:
         num_kv_heads=layout.num_kv_heads,
         head_dim=layout.head_dim,
         block_size=layout.block_size,
-        dtype=_DTYPE_TO_PB[layout.dtype],
+        dtype=dtypes.by_name(layout.dtype).wire,
         num_blocks=num_blocks,
     )
 
 
 def layout_from_pb(msg: pb.CacheLayout, default_block_size: int) -> CacheLayout:
     """Raises ``ValueError`` on a missing dtype or a non-positive size."""
-    if msg.dtype not in _PB_TO_DTYPE:
-        raise ValueError(f"layout.dtype must be set to one of {sorted(_DTYPE_TO_PB)}")
+    dtype = dtypes.by_wire(msg.dtype, "layout.dtype").name
     return CacheLayout(
         num_layers=msg.num_layers,
         num_kv_heads=msg.num_kv_heads,
         head_dim=msg.head_dim,
         block_size=msg.block_size or default_block_size,
-        dtype=_PB_TO_DTYPE[msg.dtype],
+        dtype=dtype,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -15,10 +16,38 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvd.client import DaemonClient
+
+
+def _interpret_triton_without_cuda() -> None:
+    """Triton kernels run in Triton's interpreter on CPU tensors where there is
+    no CUDA (set before anything imports Triton)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # the dev extra is not installed; the kernel tests will say so
+        return
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patch_with_scalar_index(tensor, scope) -> None:
+        # NOTE: Triton 3.6's interpreter turns its one-element scalars into ints
+        # with int(array), which numpy >= 2.4 refuses (loops with run-time
+        # bounds fail); triton-lang/triton#9171, fixed upstream after 3.6.
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patch_with_scalar_index
+
+
+_interpret_triton_without_cuda()
 
 
 def pytest_addoption(parser):
@@ -28,6 +57,50 @@ def pytest_addoption(parser):
         default=0.0,
         help="seconds of churn per stack in tests/integration/test_offload.py (default: two rounds)",
     )
+    parser.addoption(
+        "--families",
+        default="",
+        help="comma-separated model types for tests/integration/test_model_families.py (default: all)",
+    )
+
+
+# Every process the suite starts inherits this variable (children of children
+# too), so the end of the session can find any left running, even one whose
+# parent is gone, without mistaking another run's processes for ours.
+SESSION_MARK = "KVD_TEST_SESSION"
+os.environ.setdefault(SESSION_MARK, f"{os.getpid()}-{time.time_ns()}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fails the run when a process it started outlives it (and ends those)."""
+    left = wait_for_strays(os.environ[SESSION_MARK], timeout_s=10)
+    if not left:
+        return
+    names = ", ".join(f"{p.pid} {' '.join(p.info['cmdline'] or [])[:120]}" for p in left)
+    session.config.get_terminal_writer().line(f"processes left running by the tests (now killed): {names}", red=True)
+    for process in left:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def stray_processes(mark: str) -> list[psutil.Process]:
+    """Processes (other than this one) whose environment carries ``mark``."""
+    found = []
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        if process.pid == os.getpid():
+            continue
+        with contextlib.suppress(psutil.Error):
+            if process.status() != psutil.STATUS_ZOMBIE and process.environ().get(SESSION_MARK) == mark:
+                found.append(process)
+    return found
+
+
+def wait_for_strays(mark: str, timeout_s: float) -> list[psutil.Process]:
+    deadline = time.monotonic() + timeout_s
+    while (left := stray_processes(mark)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
 
 
 def pytest_collection_modifyitems(config, items):
@@ -168,7 +241,7 @@ def start_daemon(args: list[str], workdir: str) -> DaemonProcess:
         shm_dir=shm_dir,
         metrics_port=metrics_port,
     )
-    serving_or_killed(daemon, "daemon", 20)
+    serving_or_killed(daemon, "daemon", 60)  # generous: the test machines are shared
     return daemon
 
 

@@ -32,7 +32,7 @@ WRITER = textwrap.dedent(
 def test_a_second_process_maps_the_cuda_cache_and_the_daemon_sees_its_write(daemon_factory):
     daemon = daemon_factory(
         "--device", "cuda", "--num-layers", "4", "--num-kv-heads", "2", "--head-dim", "64",
-        "--block-size", "16", "--num-blocks", "64", "--dtype", "bfloat16",
+        "--block-size", "16", "--num-blocks", "64", "--cache-dtype", "bfloat16",
     )  # fmt: skip
     client = daemon.client()
     described = client.stub.Describe(pb.DescribeRequest())

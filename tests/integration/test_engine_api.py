@@ -26,6 +26,7 @@ def test_info_describes_the_model(engine):
     info = engine.Info(pb.InfoRequest())
     assert (info.block_size, info.max_context, info.vocab_size) == (16, 8192, 49152)
     assert info.dtype == "float32" and info.attention_backend == "torch" and 2 in info.eos_token_ids
+    assert info.model_type == "llama"
 
 
 def test_tokenize_text_and_chat(engine, tokenizer):

@@ -242,7 +242,7 @@ def test_keys_and_scopes(gateway):
         code, message = status_of(lambda: reader.create_template("mine", "x"))
         assert code == grpc.StatusCode.PERMISSION_DENIED and "templates:write" in message
         assert status_of(lambda: reader.delete_template("mine"))[0] == grpc.StatusCode.PERMISSION_DENIED
-        assert reader.info().block_size == BLOCK
+        assert reader.info().block_size == BLOCK and reader.info().model_type == "llama"
 
 
 def test_keys_kept_in_redis(replica, folder):

@@ -28,18 +28,23 @@ def inputs(tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     return query, new_kv
 
 
-def attend(r: ModelRunner, chunks: list[Chunk], batched: bool) -> torch.Tensor:
+def attend(r: ModelRunner, chunks: list[Chunk], batched: bool, **layer_kwargs) -> torch.Tensor:
+    """The paged attention of layer 1; ``layer_kwargs`` as the modeling code
+    passes them (``scaling``, ``sliding_window``, ``softcap``)."""
     _, _, meta, _ = r._prepare(chunks)
     if not batched:
         meta = dataclasses.replace(meta, decode=None, looped=None)
     query, new_kv = inputs(meta.query_start[-1])
     layer = types.SimpleNamespace(layer_idx=1)
-    return torch_paged_attention(layer, query, new_kv, new_kv, None, attn_metadata=meta)[0]
+    return torch_paged_attention(layer, query, new_kv, new_kv, None, attn_metadata=meta, **layer_kwargs)[0]
 
 
-def dense_reference(r: ModelRunner, chunks: list[Chunk]) -> torch.Tensor:
+def dense_reference(
+    r: ModelRunner, chunks: list[Chunk], scaling: float = DIM**-0.5, sliding_window=None, softcap=None
+) -> torch.Tensor:
     """Each sequence on its own: its cached positions from the cache, its new
-    ones from the inputs, softmax(QK^T / sqrt(d) + causal mask) V per head."""
+    ones from the inputs, softmax(cap(QK^T * scaling) + mask) V per head, the
+    mask hiding later positions and those ``sliding_window`` or more before."""
     query, new_kv = inputs(sum(len(c.token_ids) for c in chunks))
     out, start = [], 0
     for c in chunks:
@@ -51,8 +56,11 @@ def dense_reference(r: ModelRunner, chunks: list[Chunk]) -> torch.Tensor:
         k[c.first :], v[c.first :] = new, new
         k, v = (t.repeat_interleave(HEADS // KV_HEADS, dim=1).transpose(0, 1) for t in (k, v))  # [heads, length, dim]
         q = query[0, :, start : start + n]  # [heads, n, dim]
-        scores = q @ k.transpose(1, 2) / DIM**0.5
-        visible = torch.arange(length)[None, :] <= torch.arange(c.first, length)[:, None]
+        scores = q @ k.transpose(1, 2) * scaling
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        distance = torch.arange(c.first, length)[:, None] - torch.arange(length)[None, :]
+        visible = (distance >= 0) & (distance < (sliding_window or length + 1))
         probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
         out.append((probs @ v).transpose(0, 1))
         start += n
@@ -72,6 +80,33 @@ def dense_reference(r: ModelRunner, chunks: list[Chunk]) -> torch.Tensor:
 def test_paged_attention_equals_dense_attention(chunks, batched):
     r = runner()
     torch.testing.assert_close(attend(r, chunks, batched)[0], dense_reference(r, chunks), rtol=1e-12, atol=1e-12)
+
+
+LAYERS_OF_FAMILIES = {
+    "sliding window": dict(sliding_window=3),
+    "soft-capped, pre-attention scale": dict(scaling=0.3, softcap=0.5),
+    "all three": dict(scaling=0.2, sliding_window=5, softcap=1.0),
+}
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "one by one"])
+@pytest.mark.parametrize("layer", LAYERS_OF_FAMILIES)
+@pytest.mark.parametrize("case", ["square", "offset chunk", "decodes and a chunk"])
+def test_window_softcap_and_scale_equal_dense_attention(case, layer, batched):
+    chunks = {
+        "square": [Chunk([1, 2, 3, 4, 5, 6, 7], 0, [3, 4], 0, True)],
+        "offset chunk": [Chunk([1, 2, 3], 5, [3, 4], 5, True), Chunk([4], 9, [5, 6, 7], 9, True)],
+        "decodes and a chunk": [
+            Chunk([1], 12, [8, 9, 12, 13], 12, True),
+            Chunk([2], 7, [8, 10], 7, True),
+            Chunk([3, 4], 0, [11], 0, True),
+        ],
+    }[case]
+    r = runner()
+    kwargs = LAYERS_OF_FAMILIES[layer]
+    torch.testing.assert_close(
+        attend(r, chunks, batched, **kwargs)[0], dense_reference(r, chunks, **kwargs), rtol=1e-12, atol=1e-12
+    )
 
 
 CASES = {

@@ -8,7 +8,8 @@ import torch
 from kvd.block import BlockState
 from kvd.block_pool import HOST, BlockPool, BlockRemoved, BlockStored
 from kvd.cache_manager import KVCacheManager
-from kvd.daemon import Daemon, DaemonConfig
+from kvd.config import DaemonConfig
+from kvd.daemon import Daemon
 from kvd.host_tier import HostTier, SlotState
 from kvd.layout import CacheLayout
 from kvd.step import AdmissionWork, StepInput

@@ -17,12 +17,13 @@ from transformers import GPT2Config
 
 from inference import model_store
 from inference.model_store import (
+    ModelLayout,
     _is_complete,
     default_cache_dir,
     default_dtype,
     load_model,
     load_tokenizer,
-    model_layout,
+    model_spec,
     parse_dtype,
     resolve_model,
 )
@@ -70,12 +71,12 @@ def test_converted_folder_holds_a_complete_hf_model(model_dir):
 
 
 def test_model_is_smollm2_135m(model):
-    layout = model_layout(model.config, model.generation_config)
+    spec = model_spec(model.config, model.generation_config)
     assert type(model).__name__ == "LlamaForCausalLM"
     assert not model.training
-    assert (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.vocab_size) == (30, 3, 64, 49152)
-    assert layout.max_context == 8192
-    assert 2 in layout.eos_token_ids  # <|im_end|>
+    assert spec.layout == ModelLayout(num_layers=30, num_kv_heads=3, head_dim=64)
+    assert (spec.vocab_size, spec.max_context) == (49152, 8192)
+    assert 2 in spec.eos_token_ids  # <|im_end|>
     assert {p.dtype for p in model.parameters()} == {torch.float32}
 
 
@@ -204,6 +205,6 @@ def test_default_dtype():
 def test_layout_falls_back_for_configs_without_head_dim_or_kv_heads():
     # A real GPT-2 config: no head_dim, no num_key_value_heads, a list of eos ids.
     config = GPT2Config(n_embd=64, n_head=4, n_layer=2, n_positions=128, eos_token_id=[5, 7])
-    layout = model_layout(config)
-    assert (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.max_context) == (2, 4, 16, 128)
-    assert layout.eos_token_ids == (5, 7)
+    spec = model_spec(config)
+    assert spec.layout == ModelLayout(num_layers=2, num_kv_heads=4, head_dim=16) and spec.max_context == 128
+    assert spec.eos_token_ids == (5, 7)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from inference.sampling import Sampler, SamplingParams, make_generator
+from inference.sampling import BatchedSampler, Sampler, SamplingParams, make_generator
 
 SAMPLER = Sampler()
 
@@ -87,3 +87,55 @@ def test_top_logprobs_are_the_most_likely_tokens():
 def test_bad_parameters_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+# ------------------------------------------------- the batched (GPU) sampler, on CPU tensors
+
+BATCHED = BatchedSampler()
+
+
+def test_batched_greedy_logprobs_and_top_logprobs_equal_the_row_sampler():
+    torch.manual_seed(1)
+    logits = torch.randn(5, 300)
+    params = [SamplingParams(), SamplingParams(top_logprobs=3, logprobs=True), SamplingParams(top_k=1, temperature=2.0),
+              SamplingParams(top_logprobs=5), SamplingParams()]  # fmt: skip
+    want = SAMPLER.sample(logits, params, [None] * 5)
+    got = BATCHED.sample(logits, params, [None] * 5)
+    assert got.tokens == want.tokens
+    assert got.logprobs == want.logprobs  # the same float32 values
+    assert got.top == want.top
+
+
+def test_batched_seeded_draws_do_not_depend_on_the_batch():
+    torch.manual_seed(0)
+    steps = [torch.randn(4, 64) for _ in range(30)]
+    params = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=11)
+    solo = make_generator(11)
+    alone = [BATCHED.sample(s[1:2], [params], [solo]).tokens[0] for s in steps]
+    gen = make_generator(11)
+    others = [SamplingParams(temperature=1.0), SamplingParams(), SamplingParams(temperature=0.5, top_p=0.5)]
+    together = [
+        BATCHED.sample(
+            s, [others[0], params, others[1], others[2]], [make_generator(1), gen, None, make_generator(2)]
+        ).tokens[1]
+        for s in steps
+    ]
+    assert alone == together
+    assert len(set(alone)) > 3  # it does sample
+    different = make_generator(12)
+    assert alone != [BATCHED.sample(s[1:2], [params], [different]).tokens[0] for s in steps]
+
+
+def test_batched_draws_follow_the_distribution_and_respect_top_k_top_p():
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    rows = 4000
+    logits = probs.log().expand(rows, 4)
+    generators = [make_generator(i) for i in range(rows)]
+    out = BATCHED.sample(logits, [SamplingParams(temperature=1.0)] * rows, generators)
+    counts = torch.bincount(torch.tensor(out.tokens), minlength=4).float()
+    assert torch.allclose(counts / rows, probs, atol=0.03)
+    tail = torch.tensor([[4.0, 3.0, 0.0, -1.0]]).expand(300, 4)  # p ~ [0.70, 0.26, 0.013, 0.005]
+    top_k = BATCHED.sample(tail, [SamplingParams(temperature=5.0, top_k=2)] * 300, generators[:300])
+    assert set(top_k.tokens) == {0, 1}
+    top_p = BATCHED.sample(tail, [SamplingParams(temperature=1.0, top_p=0.5)] * 300, generators[:300])
+    assert set(top_p.tokens) == {0}

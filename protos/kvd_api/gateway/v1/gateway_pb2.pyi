@@ -131,20 +131,22 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "block_size", "max_context", "templates", "version", "replicas")
+    __slots__ = ("model", "block_size", "max_context", "templates", "version", "replicas", "model_type")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     TEMPLATES_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     model: str
     block_size: int
     max_context: int
     templates: int
     version: str
     replicas: _containers.RepeatedCompositeFieldContainer[Replica]
-    def __init__(self, model: _Optional[str] = ..., block_size: _Optional[int] = ..., max_context: _Optional[int] = ..., templates: _Optional[int] = ..., version: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
+    model_type: str
+    def __init__(self, model: _Optional[str] = ..., block_size: _Optional[int] = ..., max_context: _Optional[int] = ..., templates: _Optional[int] = ..., version: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., model_type: _Optional[str] = ...) -> None: ...
 
 class Replica(_message.Message):
     __slots__ = ("address", "serving", "in_flight", "known_blocks", "templates")

@@ -1,0 +1,241 @@
+"""The engine's decode step on a GPU against the physical floor, and the
+Triton attention kernels against gathering K/V and running SDPA.
+
+In one process, on the random-weight Llama of tests/gpu/random_llama.py
+(bfloat16, block size 16, the triton backend):
+
+- ``floor``: the read bandwidth measured by a reduction over a 2 GB buffer,
+  the weight bytes a decode step reads (every parameter but the embedding
+  table, of which it reads a row per token), and per case the floor
+  ``(weight bytes + K/V bytes read) / bandwidth``;
+- ``decode``: batch 1, 16, 64, 256 at context ~700 and ~2,000, every
+  sequence sharing its prompt's blocks (``shared``) or not (``distinct``):
+  GPU busy time per decode step (the sum of its kernels' times, from the
+  profiler), engine wall time per step (``ModelRunner.forward`` + sampling,
+  host included) and the blocking syncs per step (``set_sync_debug_mode``);
+- ``attention``: one layer's Triton paged attention against gathering the
+  K/V through the block table and running SDPA (``enable_gqa``, flash
+  backend where it takes the inputs) for decodes at context 2,000 (batch
+  16, 64) and a 512-token prefill chunk over 2,000 cached positions:
+  microseconds (medians of ``triton.testing.do_bench``) and K/V GB/s.
+
+    python3 benchmarks/gpu_step.py --json FILE [--quick]
+
+Without CUDA it says so and exits with status 2, measuring nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[1:1] = [str(ROOT), str(ROOT / "protos")]
+
+import _common as common  # noqa: E402
+import torch  # noqa: E402
+
+# NOTE: a ratio's meaning, where it could be read either way: triton_over_sdpa_*
+# is SDPA-on-gathered time / Triton time (> 1: Triton is faster).
+
+BLOCK = 16
+BATCHES = (1, 16, 64, 256)
+CONTEXTS = {"ctx700": 700, "ctx2000": 2000}
+
+
+def read_bandwidth(gigabytes: float = 2.0) -> float:
+    """Bytes per second of a sum over a buffer far larger than the L2 (median of 20)."""
+    import triton.testing
+
+    buffer = torch.randn(int(gigabytes * 2**30) // 2, dtype=torch.bfloat16, device="cuda")
+    seconds = (
+        triton.testing.do_bench(lambda: buffer.sum(dtype=torch.float32), warmup=50, rep=400, return_mode="median") / 1e3
+    )
+    return buffer.numel() * buffer.element_size() / seconds
+
+
+def decode_case(model, batch: int, context: int, shared: bool) -> tuple[list, torch.Tensor, int]:
+    """One decode step's chunks at position ``context`` for ``batch`` sequences,
+    a cache (random K/V) and the K/V bytes the step reads."""
+    from inference.model_runner import Chunk
+
+    blocks_per_seq = -(-(context + 1) // BLOCK)
+    prefix = (context // BLOCK) if shared else 0  # full blocks every sequence shares
+    own = blocks_per_seq - prefix
+    num_blocks = prefix + batch * own
+    c = model.config
+    head_dim = c.hidden_size // c.num_attention_heads
+    shape = (num_blocks, c.num_hidden_layers, 2, BLOCK, c.num_key_value_heads, head_dim)
+    cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+    order = torch.randperm(num_blocks).tolist()
+    shared_blocks = order[:prefix]
+    chunks = []
+    for i in range(batch):
+        own_blocks = order[prefix + i * own : prefix + (i + 1) * own]
+        chunks.append(Chunk([11 + i], context, shared_blocks + own_blocks, context, True, f"r{i}"))
+    per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim * 2
+    return chunks, cache, batch * (context + 1) * per_token
+
+
+def time_decode(model, chunks, cache, steps: int) -> dict[str, float]:
+    from inference.model_runner import ModelRunner
+    from inference.sampling import Sampler, SamplingParams
+
+    runner, sampler = ModelRunner(model, cache, BLOCK), Sampler()
+    params, generators = [SamplingParams()] * len(chunks), [None] * len(chunks)
+
+    def step():
+        return sampler.sample(runner.forward(chunks), params, generators)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    wall = (time.perf_counter() - start) / steps
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    busy_us = sum(e.self_device_time_total for e in prof.key_averages())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    return {"gpu_step_s": busy_us / 1e6 / steps, "wall_step_s": wall, "blocking_syncs_per_step": syncs}
+
+
+def time_attention(batch: int, q_len: int, context: int, kv_heads: int = 8, group: int = 4, head_dim: int = 128):
+    """One layer: the Triton kernel vs gather + SDPA, for ``batch`` sequences
+    of ``q_len`` queries ending at position ``context``."""
+    import torch.nn.functional as F
+    import triton.testing
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from inference.kernels.launch import LaunchShape, choose_splits
+    from inference.kernels.paged_attention import paged_attention
+
+    width = -(-context // BLOCK)
+    num_blocks = batch * width
+    cache = torch.randn(num_blocks, 1, 2, BLOCK, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    layer_k, layer_v = cache[:, 0, 0], cache[:, 0, 1]
+    table = torch.randperm(num_blocks, device="cuda").view(batch, width).to(torch.int32)
+    query = torch.randn(batch * q_len, kv_heads * group, head_dim, dtype=torch.bfloat16, device="cuda")
+    query_start = torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32, device="cuda")
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    launch = LaunchShape(batch, q_len, choose_splits(batch, q_len, context, kv_heads, sms))
+
+    def triton_run():
+        return paged_attention(query, layer_k, layer_v, table, query_start, seq_lens, launch)
+
+    long_table = table.long()
+
+    def sdpa_run():
+        k = layer_k[long_table].view(batch, width * BLOCK, kv_heads, head_dim)[:, :context].transpose(1, 2)
+        v = layer_v[long_table].view(batch, width * BLOCK, kv_heads, head_dim)[:, :context].transpose(1, 2)
+        q = query.view(batch, q_len, kv_heads * group, head_dim).transpose(1, 2)
+        mask = None
+        if q_len > 1:  # the chunk's queries are the last q_len positions
+            mask = torch.ones(q_len, context, dtype=torch.bool, device="cuda").tril_(context - q_len)
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    reference = sdpa_run().transpose(1, 2).reshape(query.shape).float()
+    error = (triton_run().float() - reference).norm() / reference.norm()
+    triton_us = triton.testing.do_bench(triton_run, warmup=25, rep=200, return_mode="median") * 1e3
+    sdpa_us = triton.testing.do_bench(sdpa_run, warmup=25, rep=200, return_mode="median") * 1e3
+    kv_bytes = batch * context * 2 * kv_heads * head_dim * 2
+    return {"triton_us": triton_us, "sdpa_gathered_us": sdpa_us, "kv_gb_per_s": kv_bytes / triton_us / 1e3,
+            "relative_difference": error.item()}  # fmt: skip
+
+
+def run(quick: bool) -> dict[str, Any]:
+    from inference import attention
+    from tests.gpu import random_llama
+
+    bandwidth = read_bandwidth()
+    with tempfile.TemporaryDirectory() as folder:
+        model = random_llama.build(Path(folder)).cuda()
+    attention.choose_backend("triton", "cuda")
+    model.set_attn_implementation(attention.BACKENDS["triton"])
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes -= model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
+    results: dict[str, Any] = {"floor": {"read_bandwidth_gb_per_s": bandwidth / 1e9, "weight_bytes": weight_bytes}}
+    decode = results["decode"] = {}
+    for batch in (1, 16) if quick else BATCHES:
+        for ctx_name, context in CONTEXTS.items():
+            for shared in (True, False):
+                name = f"b{batch}_{ctx_name}_{'shared' if shared else 'distinct'}"
+                common.log(f"decode {name}")
+                chunks, cache, kv_bytes = decode_case(model, batch, context, shared)
+                floor = (weight_bytes + kv_bytes) / bandwidth
+                decode[name] = {**time_decode(model, chunks, cache, steps=10 if quick else 30), "floor_s": floor}
+                results["floor"][name] = floor
+                del cache
+                torch.cuda.empty_cache()
+    results["attention"] = {
+        "decode_ctx2000_b16": time_attention(16, 1, 2000),
+        "decode_ctx2000_b64": time_attention(64, 1, 2000),
+        "prefill_512_over_2000": time_attention(1, 512, 2512),
+    }
+    return results
+
+
+def build_ratios(results: dict[str, Any]) -> dict[str, float | None]:
+    d, a = results["decode"], results["attention"]
+    bw = results["floor"]["read_bandwidth_gb_per_s"]
+
+    def over_floor(name):
+        return common.ratio(d[name]["gpu_step_s"], d[name]["floor_s"]) if name in d else None
+
+    b16 = d.get("b16_ctx2000_distinct", {})
+
+    def speedup(case):  # SDPA-on-gathered time over Triton time
+        return common.ratio(a[case]["sdpa_gathered_us"], a[case]["triton_us"])
+
+    return {
+        "decode_over_floor_b16": over_floor("b16_ctx2000_distinct"),
+        "decode_over_floor_b64": over_floor("b64_ctx2000_distinct"),
+        "wall_over_gpu_b16": common.ratio(b16.get("wall_step_s"), b16.get("gpu_step_s")),
+        "attention_bandwidth_share": common.ratio(a["decode_ctx2000_b64"]["kv_gb_per_s"], bw),
+        "triton_over_sdpa_decode": speedup("decode_ctx2000_b64"),
+        "triton_over_sdpa_prefill": speedup("prefill_512_over_2000"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", required=True, help="where to write the results")
+    p.add_argument("--quick", action="store_true", help="batches 1 and 16 only, fewer steps")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_step.py measures the engine on a CUDA GPU and this machine has none: nothing measured, no JSON")
+        return 2
+    results = run(args.quick)
+    ratios = build_ratios(results)
+    machine = {**common.machine_info(), "gpu": torch.cuda.get_device_name()}
+    workload = {"model": "tests/gpu/random_llama.py (bfloat16)", "block_size": BLOCK, "batches": list(BATCHES),
+                "contexts": CONTEXTS, "backend": "triton"}  # fmt: skip
+    data = {"benchmark": "gpu_step", "quick": args.quick, "machine": machine, "workload": workload,
+            "results": results, "ratios": ratios}  # fmt: skip
+    common.write_json(args.json, common.rounded(data))
+    rows = [(name, r["gpu_step_s"] * 1e3, r["wall_step_s"] * 1e3, r["floor_s"] * 1e3, r["blocking_syncs_per_step"])
+            for name, r in results["decode"].items()]  # fmt: skip
+    print(common.format_table(["decode", "gpu ms", "wall ms", "floor ms", "syncs"], rows))
+    print(common.format_table(["ratio", "value"], list(ratios.items())))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

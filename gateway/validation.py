@@ -1,0 +1,53 @@
+"""Checks of the public requests' own fields, before any work is done.
+
+Each check raises ``ValueError`` whose message starts with the field's name
+(the service turns it into INVALID_ARGUMENT). Fields whose limits only an
+engine knows (token ids against its vocabulary, sampling values, lengths
+against its context) are checked by the engine, which names them the same way.
+"""
+
+from __future__ import annotations
+
+from gateway.templates import check_description, check_name, check_ttl
+from kvd_api.gateway.v1 import gateway_pb2 as pb
+
+MAX_CACHE_SALT = 256
+
+
+def check_generate(request: pb.GenerateRequest) -> None:
+    kind = request.WhichOneof("prompt")
+    if kind is None and not request.template:
+        raise ValueError("prompt: give text, chat messages or token ids (or a template)")
+    if request.template:
+        check_name(request.template, "template")
+    if kind == "chat":
+        if not request.chat.messages:
+            raise ValueError("chat.messages is empty")
+        for i, message in enumerate(request.chat.messages):
+            if not message.role:
+                raise ValueError(f"chat.messages[{i}].role is empty")
+    if kind == "token_ids" and not request.token_ids.ids and not request.template:
+        raise ValueError("token_ids.ids is empty")
+    if len(request.cache_salt) > MAX_CACHE_SALT:
+        raise ValueError(f"cache_salt is {len(request.cache_salt)} bytes; at most {MAX_CACHE_SALT}")
+
+
+def check_create(request: pb.CreateTemplateRequest) -> None:
+    check_name(request.name)
+    if not request.content:
+        raise ValueError("content must not be empty")
+    check_ttl(request.ttl_seconds)
+    check_description(request.description)
+
+
+def check_update(request: pb.UpdateTemplateRequest) -> None:
+    check_name(request.name)
+    if request.HasField("ttl_seconds"):
+        check_ttl(request.ttl_seconds)
+    if request.HasField("description"):
+        check_description(request.description)
+
+
+def check_list(request: pb.ListTemplatesRequest) -> None:
+    if request.page_size < 0:
+        raise ValueError(f"page_size must be >= 0, got {request.page_size}")

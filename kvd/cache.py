@@ -1,0 +1,143 @@
+"""The daemon's cache: memory, block pool, manager, pins and host tier, made together.
+
+A ``KVCache`` exists whole or not at all: the daemon creates it from the first
+layout it learns (its config, or the first engine's attach), so nothing in it
+is ever half-made.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import logging
+import threading
+import uuid
+from collections.abc import Callable, Sequence
+
+import torch
+
+from kvd.block import Block
+from kvd.block_pool import BlockEvent, BlockPool
+from kvd.cache_manager import KVCacheManager
+from kvd.config import DaemonConfig
+from kvd.errors import PreconditionError
+from kvd.hashing import encode_extra_keys, sequence_block_hashes
+from kvd.host_tier import HostTier
+from kvd.layout import CacheLayout
+from kvd.memory import KVMemory
+from kvd.offload import Offload, SwapIn, TierCopier
+from kvd.pins import PinRegistry
+
+log = logging.getLogger("kvd.cache")
+
+
+class KVCache:
+    """Everything that holds or indexes KV blocks. Not thread-safe by itself:
+    every method runs under the daemon's lock (``lock``), which the tier
+    copier's worker takes too before it calls back.
+
+    Args:
+        config: the daemon's settings (block size, sizes, device, host tier).
+        model_layout: the model's layout; its ``block_size`` is replaced by the config's.
+        lock: the daemon's lock.
+        publish: receives the pool's events after a copy finished.
+    """
+
+    def __init__(
+        self,
+        config: DaemonConfig,
+        model_layout: CacheLayout,
+        lock: threading.Lock,
+        publish: Callable[[Sequence[BlockEvent]], None],
+    ) -> None:
+        self.block_size = config.block_size
+        self._publish = publish
+        layout = CacheLayout(
+            model_layout.num_layers, model_layout.num_kv_heads, model_layout.head_dim, config.block_size,
+            model_layout.dtype,
+        )  # fmt: skip
+        num_blocks = config.num_blocks or layout.num_blocks_for(config.memory_budget_bytes)
+        self.memory = KVMemory(layout, num_blocks, config.device, config.shm_dir)
+        self.cache_id = uuid.uuid4().hex  # a new cache, a new id: engines tell restarts apart
+        self.pool = BlockPool(num_blocks, enable_caching=config.enable_caching, record_events=True)
+        num_host_blocks = config.host_num_blocks or (config.host_memory_budget_bytes // layout.block_bytes)
+        self.host: HostTier | None = None
+        self.copier: TierCopier | None = None
+        if num_host_blocks and config.enable_caching:
+            self.host = HostTier(num_host_blocks, record=self.pool.record)
+            self.copier = TierCopier(self.memory.tensor, num_host_blocks, lock, self._offloaded, self._swapped_in)
+        self.manager = KVCacheManager(self.pool, config.block_size, self.host)
+        self.pins = PinRegistry(self.pool, int(num_blocks * config.max_pinned_fraction))
+        # NOTE: the pool's blocks live as long as the daemon; frozen, the cyclic
+        # garbage collector stops scanning them (~10 ms per full pass at 128k
+        # blocks, which would land inside some unlucky Step).
+        gc.freeze()
+        log.info(
+            "cache created",
+            extra={"layout": layout.describe(), "num_blocks": num_blocks, "bytes": self.memory.nbytes,
+                   "device": config.device, "host_blocks": num_host_blocks if self.host else 0},
+        )  # fmt: skip
+
+    @property
+    def layout(self) -> CacheLayout:
+        return self.memory.layout
+
+    def take_events(self) -> list[BlockEvent]:
+        return self.pool.take_events()
+
+    # Called by the copier's worker, under the lock.
+    def _offloaded(self, offloads: Sequence[Offload]) -> None:
+        assert self.host is not None
+        for block, slot in offloads:
+            self.pool.copy_finished(block)
+            self.host.written(slot)
+        self._publish(self.pool.take_events())
+
+    def _swapped_in(self, swap_ins: Sequence[SwapIn]) -> None:
+        assert self.host is not None
+        self.host.end_read([slot for slot, _ in swap_ins])
+
+    def drain_copies(self, timeout_s: float = 60.0) -> bool:
+        """Waits until every tier copy submitted so far finished. Call without the lock."""
+        return self.copier is None or self.copier.drain(timeout_s)
+
+    def block_hashes(self, token_ids: Sequence[int], cache_salt: bytes, extra_keys: Sequence[bytes]) -> list[bytes]:
+        return sequence_block_hashes(token_ids, self.block_size, encode_extra_keys(cache_salt, extra_keys))
+
+    def lookup(self, hashes: Sequence[bytes]) -> tuple[list[bytes], int]:
+        """The leading ``hashes`` cached on the device, and how many blocks after them the host tier holds."""
+        on_device = len(self.pool.match_prefix(hashes))
+        return list(hashes[:on_device]), len(self.manager.match_tiers(hashes)) - on_device
+
+    def reset(self) -> int:
+        """Empties both tiers; returns the device blocks whose content was dropped.
+
+        Raises:
+            PreconditionError: blocks are in use, or tier copies are in flight.
+        """
+        try:
+            if self.host is not None and self.host.num_in_copy:
+                raise ValueError("tier copies are in flight")
+            cleared = self.pool.reset()
+        except ValueError as exc:
+            raise PreconditionError(f"cannot reset the cache: {exc}") from None
+        if self.host is not None:
+            self.host.clear()
+        return cleared
+
+    def inspect_block(self, block_id: int) -> tuple[Block, bytes]:
+        """A block's metadata and the sha256 of its bytes, read here."""
+        if not 0 <= block_id < self.pool.num_blocks:
+            raise ValueError(f"block_id must be in [0, {self.pool.num_blocks}), got {block_id}")
+        data = self.memory.tensor[block_id].contiguous().cpu()
+        return self.pool.blocks[block_id], hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).digest()
+
+    def stop_copies(self) -> None:
+        """Finishes the tier copies in flight and stops the copier. Call without the lock."""
+        if self.copier is not None:
+            self.copier.drain(timeout_s=10)
+            self.copier.close()
+
+    def close(self) -> None:
+        """Frees the memory (after ``stop_copies``)."""
+        self.memory.close()
