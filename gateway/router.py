@@ -15,10 +15,10 @@ gRPC health is SERVING:
    (a fixed time per forward plus a time per token). The request's own tokens
    weigh ``work_weight`` times queued ones: a cache miss is paid again by the
    turns that follow, a queue drains by itself.
-3. The minimum wins; ties go by rendezvous order on the request's first block
-   that not every candidate holds (a common system prompt says nothing: the
-   conversation's own first block spreads new conversations evenly, and keeps
-   a conversation's turns together).
+3. The minimum wins; ties go to the template's replica, else by rendezvous
+   order on the request's first block that not every candidate holds (a
+   common system prompt says nothing: the conversation's own first block
+   spreads new conversations evenly, and keeps a conversation's turns together).
 
 The ``affinity`` policy (the previous default, kept as a baseline): the
 template's replica, else the longest run (ties: the first by address), else
@@ -397,6 +397,10 @@ class Router:
                 tied.append(r)
         if len(tied) == 1:
             return tied[0]
+        if key.template:  # where it is pinned: it stays cached there
+            home = self._template_home(key.template, candidates)
+            if home in tied:
+                return home
         tie_key = self._tie_key(key, held, len(candidates), common)
         if tie_key is None:
             return tied[next(self._turn) % len(tied)]

@@ -243,6 +243,9 @@ def test_cost_keeps_a_templated_request_on_the_template_replica():
     prompt = key(template + [7] * 20, template="acme/bot", template_blocks=len(template) // 16)
     r.place("acme/bot", C)
     assert r.choose(prompt) == C  # no event yet: the pin says it is there
+    for address in (A, B, C):  # cached everywhere (A and B stood in for it): a tie, its replica wins
+        r.apply(address, [("stored", prompt.block_hashes[:12], 0)])
+    assert r.choose(prompt) == C
     r.set_serving(C, False)
     assert r.choose(prompt) == rendezvous(b"acme/bot", [A, B])[0]
 
