@@ -15,10 +15,10 @@ gRPC health is SERVING:
    (a fixed time per forward plus a time per token). The request's own tokens
    weigh ``work_weight`` times queued ones: a cache miss is paid again by the
    turns that follow, a queue drains by itself.
-3. The minimum wins; ties go by rendezvous order on the request's first block
-   that not every candidate holds (a common system prompt says nothing: the
-   conversation's own first block spreads new conversations evenly, and keeps
-   a conversation's turns together).
+3. The minimum wins; ties go to the template's replica, else by rendezvous
+   order on the request's first block that not every candidate holds (a
+   common system prompt says nothing: the conversation's own first block
+   spreads new conversations evenly, and keeps a conversation's turns together).
 
 The ``affinity`` policy (the previous default, kept as a baseline): the
 template's replica, else the longest run (ties: the first by address), else
@@ -377,9 +377,15 @@ class Router:
         tokens = max(key.num_tokens, len(key.keys) * key.block_size)
         weight = self.config.work_weight
         fleet = None if all(r.measured for r in candidates) else self._fleet_rate(candidates)
+        # A prefix most of the fleet holds (a common system prompt) counts as
+        # held everywhere: a replica that lacks it computes it once and then
+        # holds it too; counted against it, a new or emptied replica would
+        # never be chosen while the others have less than that queued.
+        half = len(candidates) // 2
+        common = sorted(held.values(), reverse=True)[half] if len(held) > half else 0
         best, tied = math.inf, []
         for r in candidates:
-            uncached = max(1, tokens - held.get(r.slot, 0) * key.block_size)  # as _uncached
+            uncached = max(1, tokens - max(held.get(r.slot, 0), common) * key.block_size)
             reported, forward_s, token_s, budget = r.rate
             if fleet is not None and not r.measured:
                 forward_s, token_s = fleet
@@ -391,7 +397,11 @@ class Router:
                 tied.append(r)
         if len(tied) == 1:
             return tied[0]
-        tie_key = self._tie_key(key, held, len(candidates))
+        if key.template:  # where it is pinned: it stays cached there
+            home = self._template_home(key.template, candidates)
+            if home in tied:
+                return home
+        tie_key = self._tie_key(key, held, len(candidates), common)
         if tie_key is None:
             return tied[next(self._turn) % len(tied)]
         first = rendezvous(tie_key, (r.address for r in tied))[0]
@@ -415,14 +425,15 @@ class Router:
             return None
         return sum(m[1] for m in measured) / len(measured), sum(m[2] for m in measured) / len(measured)
 
-    def _tie_key(self, key: RouteKey, held: dict[int, int], num_candidates: int) -> bytes | None:
-        """The request's first block that not every candidate holds (None: no blocks)."""
+    def _tie_key(self, key: RouteKey, held: dict[int, int], num_candidates: int, common: int = 0) -> bytes | None:
+        """The request's first block that not every candidate (nor most of
+        them: ``common`` blocks) holds (None: no blocks)."""
         if key.template and not key.block_hashes:
             return key.template.encode()
         if not key.block_hashes:
             return None
         everywhere = min(held.values()) if len(held) == num_candidates else 0
-        return key.block_hashes[min(everywhere, len(key.block_hashes) - 1)]
+        return key.block_hashes[min(max(everywhere, common), len(key.block_hashes) - 1)]
 
     def _template_home(self, template: str, candidates: list[ReplicaState]) -> ReplicaState:
         by_address = {r.address: r for r in candidates}

@@ -227,12 +227,25 @@ def test_cost_spreads_new_conversations_behind_a_shared_system_prompt():
     assert len({r.choose(convo) for _ in range(5)}) == 1
 
 
+def test_a_replica_lacking_only_the_fleets_common_prefix_still_gets_new_conversations():
+    addresses = [f"10.0.2.{i}:1" for i in range(4)]
+    r = router(*addresses)
+    system = list(range(320))
+    for address in addresses[:3]:  # the fourth is new: its cache is empty
+        r.apply(address, [("stored", hashes(system), 0)])
+    picks = {r.choose(key(system + [20_000 + c] * 64)) for c in range(40)}
+    assert addresses[3] in picks and len(picks) == 4
+
+
 def test_cost_keeps_a_templated_request_on_the_template_replica():
     r = router(A, B, C)
     template = list(range(200))
     prompt = key(template + [7] * 20, template="acme/bot", template_blocks=len(template) // 16)
     r.place("acme/bot", C)
     assert r.choose(prompt) == C  # no event yet: the pin says it is there
+    for address in (A, B, C):  # cached everywhere (A and B stood in for it): a tie, its replica wins
+        r.apply(address, [("stored", prompt.block_hashes[:12], 0)])
+    assert r.choose(prompt) == C
     r.set_serving(C, False)
     assert r.choose(prompt) == rendezvous(b"acme/bot", [A, B])[0]
 
