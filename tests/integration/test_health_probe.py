@@ -23,9 +23,14 @@ def probe(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture
-def tcp_daemon(daemon_factory):
+def tcp_daemon(daemon_factory, workdir):
+    # TCP needs a token (health checks are answered without one: that is what this tests).
+    token_file = Path(workdir) / "token"
+    token_file.write_text("probe-test-token-0123456789\n")
+    token_file.chmod(0o600)
     port = free_port()
-    return daemon_factory(*SMALL_LAYOUT, "--num-blocks", "8", "--listen", f"127.0.0.1:{port}"), port
+    flags = ("--num-blocks", "8", "--listen", f"127.0.0.1:{port}", "--token-file", str(token_file))
+    return daemon_factory(*SMALL_LAYOUT, *flags), port
 
 
 def test_serving_daemon_on_unix_socket_and_tcp(tcp_daemon):
