@@ -76,9 +76,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--routing",
         choices=POLICIES,
-        default=env_default("KVD_ROUTING", "affinity"),
-        help="how a request picks a replica: affinity (its template, else its prompt's leading blocks, bounded by"
-        " load) or round-robin (KVD_ROUTING)",
+        default=env_default("KVD_ROUTING", "cost"),
+        help="how a request picks a replica: cost (the least estimated time to first token, from the blocks each"
+        " replica holds and the prefill work queued there), affinity (its template, else its prompt's leading"
+        " blocks, bounded by load) or round-robin (KVD_ROUTING)",
+    )
+    p.add_argument(
+        "--route-work-weight",
+        type=float,
+        default=float(env_default("KVD_ROUTE_WORK_WEIGHT", 4.0)),
+        help="cost routing: how much more the request's own uncached tokens weigh than work queued on a replica"
+        " (1: the plain TTFT estimate; more keeps conversations on their replica) (KVD_ROUTE_WORK_WEIGHT)",
     )
     p.add_argument(
         "--route-load-factor",
@@ -165,7 +173,9 @@ def main(argv: list[str] | None = None) -> int:
             tls_cert=Path(args.tls_cert) if args.tls_cert else None,
             tls_key=Path(args.tls_key) if args.tls_key else None,
             keeper_interval_s=args.keeper_interval_s,
-            routing=RouterConfig(args.routing, args.route_load_factor, args.route_load_slack),
+            routing=RouterConfig(
+                args.routing, args.route_load_factor, args.route_load_slack, work_weight=args.route_work_weight
+            ),
             health_interval_s=args.health_interval_s,
             dns_interval_s=args.dns_interval_s,
             limits=TenantLimits(args.max_concurrent_requests, args.max_templates, args.max_pinned_blocks),

@@ -1,11 +1,17 @@
-"""The engine replicas behind a gateway: their links, health and block events.
+"""The engine replicas behind a gateway: their links, health, block events and load.
 
 A monitor thread, every ``health_interval_s``: resolves the endpoints again
 (every ``resolve_interval_s``; ``dns:`` names follow their pods), checks each
-replica's gRPC health, and tells the router. One relay thread per replica
-follows its ``BlockEvents`` stream into the router; when the stream breaks
-(the engine or its daemon went away) what the replica was known to hold is
-forgotten, and the stream is opened again.
+replica's gRPC health, and tells the router. Two relay threads per replica:
+
+- one follows its ``BlockEvents`` stream into the router: a snapshot of what
+  its daemon caches, then the live batches; a batch out of sequence, or of
+  another incarnation (a new cache), means events were missed, and the stream
+  is opened again for a fresh snapshot. When the stream breaks (the engine or
+  its daemon went away) what the replica was known to hold is forgotten, and
+  the stream is opened again. So a gateway that (re)starts sees what the
+  daemons hold, as every other gateway does;
+- one follows its ``Load`` stream (the engine reports on every change).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.endpoints import expand
 from gateway.engine_link import EngineLink
-from gateway.router import Event, NoReplica, Router
+from gateway.router import Event, Load, NoReplica, Router
 from kvd_api.daemon.v1 import daemon_pb2 as dpb
 from kvd_api.engine.v1 import engine_pb2 as epb
 
@@ -123,6 +129,7 @@ class ReplicaPool:
         for address in added:
             log.info("engine replica added", extra={"engine": address})
             threading.Thread(target=self._relay, args=(address,), name=f"events-{address}", daemon=True).start()
+            threading.Thread(target=self._load_relay, args=(address,), name=f"load-{address}", daemon=True).start()
 
     def _run(self) -> None:
         while not self._stop.wait(self.health_interval_s):
@@ -134,18 +141,57 @@ class ReplicaPool:
     def _relay(self, address: str) -> None:
         """Follows one replica's block events while it is in the pool."""
         while not self._stop.is_set():
-            with self._lock:
-                link = self._links.get(address)
-            if link is None:
+            if (link := self._link_of(address)) is None:
                 return  # dropped from the pool
             try:
-                for batch in link.stub.BlockEvents(epb.BlockEventsRequest()):
-                    self.router.apply(address, [_event(e) for e in batch.events])
+                if self._follow_events(address, link):
+                    continue  # out of sequence: a fresh snapshot at once
             except (grpc.RpcError, ValueError):  # ValueError: the channel was closed
                 pass
             # Events were missed while the stream was down: what we knew may be stale.
             self.router.forget(address)
             self._stop.wait(0.5)
+
+    def _follow_events(self, address: str, link: EngineLink) -> bool:
+        """Applies one subscription's batches; True when one came out of
+        sequence (the caller subscribes again), False when the stream ended."""
+        stream = link.stub.BlockEvents(epb.BlockEventsRequest())
+        expected: tuple[str, int] | None = None  # (incarnation, next sequence)
+        try:
+            for batch in stream:
+                if batch.snapshot:
+                    expected = (batch.incarnation, batch.sequence + 1)
+                elif expected is not None:
+                    if (batch.incarnation, batch.sequence) != expected:
+                        log.info("block events out of sequence: a fresh snapshot",
+                                 extra={"engine": address, "expected": expected, "got": batch.sequence})  # fmt: skip
+                        return True
+                    expected = (batch.incarnation, batch.sequence + 1)
+                self.router.apply(address, [_event(e) for e in batch.events])
+            return False
+        finally:
+            stream.cancel()
+
+    def _load_relay(self, address: str) -> None:
+        """Follows one replica's load reports while it is in the pool."""
+        while not self._stop.is_set():
+            if (link := self._link_of(address)) is None:
+                return
+            try:
+                for r in link.stub.Load(epb.LoadRequest()):
+                    self.router.report_load(address, _load(r))
+            except (grpc.RpcError, ValueError):
+                pass
+            self.router.forget_load(address)  # back to counting this gateway's own requests
+            self._stop.wait(0.5)
+
+    def _link_of(self, address: str) -> EngineLink | None:
+        with self._lock:
+            return self._links.get(address)
+
+
+def _load(r: epb.LoadReport) -> Load:
+    return Load(r.queued_tokens, r.running, r.free_blocks, r.forward_s, r.token_s, r.token_budget)
 
 
 def _serving(link: EngineLink) -> bool | None:

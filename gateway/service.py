@@ -119,7 +119,8 @@ class GatewayService(pb_grpc.GatewayServicer):
             template = self.templates.get(tenant, request.template)
             ids, template_tokens = templated_ids(self.tokenizer, template, request)
             out.token_ids.ids.extend(ids)
-            return out, template_tokens, RouteKey(template=warm_member(tenant, request.template))
+            member = warm_member(tenant, request.template)
+            return out, template_tokens, self._route_key(out, member, template_tokens)
         if not self._by_prefix() or (kind == "text" and not request.text):
             if kind == "text":
                 out.text = request.text
@@ -129,30 +130,33 @@ class GatewayService(pb_grpc.GatewayServicer):
                 out.token_ids.CopyFrom(request.token_ids)
             return out, 0, RouteKey()
         out.token_ids.ids.extend(own_ids(self.tokenizer, request))
+        return out, 0, self._route_key(out)
+
+    def _route_key(self, out: epb.GenerateRequest, template: str = "", template_tokens: int = 0) -> RouteKey:
+        """What routes a request whose token ids are known: its blocks' hashes, as its daemon will compute them."""
+        if self.router.config.policy == "round-robin":
+            return RouteKey(template=template)
         block_size = self.pool.any_serving().model_info().block_size
         hashes = chain_block_hashes(out.token_ids.ids, block_size, encode_extra_keys(out.cache_salt))
-        return out, 0, RouteKey(block_hashes=tuple(hashes))
+        return RouteKey(template, tuple(hashes), len(out.token_ids.ids), block_size, template_tokens // block_size)
 
     def _by_prefix(self) -> bool:
         """Whether a plain request's blocks should pick its replica: only when
         there is a choice to make (tokenizing and hashing cost time)."""
-        return self.router.config.policy == "affinity" and len(self.router.serving()) > 1
+        return self.router.config.policy != "round-robin" and len(self.router.serving()) > 1
 
     def _relay(
         self, tenant: str, engine_request: epb.GenerateRequest, template_tokens: int, key: RouteKey, context
     ) -> Iterator:
-        try:
-            address = self.router.choose(key)
-            self.slots.take(tenant)
-        except NoReplica as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except LimitExceeded as exc:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        # NoReplica and LimitExceeded reach the client through the status table.
+        route = self.router.route(key)
+        self.slots.take(tenant)
+        address = route.address
         link = self.pool.link(address)
-        self.router.started(address)
+        ticket = self.router.started(address, route.uncached_tokens)
 
         def done() -> None:
-            self.router.finished(address)
+            self.router.finished(address, ticket)
             self.slots.give_back(tenant)
 
         finished = _Once(done)
@@ -165,7 +169,9 @@ class GatewayService(pb_grpc.GatewayServicer):
         if not context.add_callback(call.cancel):
             call.cancel()
         try:
-            for message in call:
+            for i, message in enumerate(call):
+                if i == 0:  # its prefill is done: no longer queued work there
+                    self.router.prefilled(address, ticket)
                 yield _response(message, template_tokens)
         except grpc.RpcError as err:
             # NOTE: never retried elsewhere: tokens may have reached the client

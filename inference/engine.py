@@ -35,6 +35,7 @@ import grpc
 import torch
 
 from inference.detokenizer import IncrementalDetokenizer
+from inference.load import LoadBoard, LoadReport, PrefillRate
 from inference.model_runner import Chunk, ModelRunner
 from inference.requests import RequestTable, Work
 from inference.sampling import Sampler, make_generator
@@ -51,6 +52,7 @@ class Forward:
     work: list[Work]
     chunks: list[Chunk]
     logits: torch.Tensor  # rows for the chunks that want them, in order
+    started_s: float  # when its step began (its Step call counts: a prefill waits for it too)
 
     @property
     def request_ids(self) -> set[str]:
@@ -128,6 +130,9 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._make_runner = make_runner or (lambda cache, block_size: ModelRunner(model, cache, block_size))
         self.steps = 0
+        self.load = LoadBoard()  # what routers see (the Load stream)
+        self.prefill_rate = PrefillRate()
+        self._free_blocks = 0
         self.num_preempted = 0  # requests the daemon preempted, summed over steps
         self.fatal: str | None = None  # set when the engine can never serve; the process should exit
 
@@ -170,12 +175,15 @@ class Engine:
                 self._lost_daemon(f"the KV-cache daemon is unavailable ({self.session.lost})")
                 continue
             self._drain_inbox()
+            self._publish_load()
             if not self.requests.has_work and self._forward is None:
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
             try:
-                if not self._step():
+                ran = self._step()
+                self._publish_load()
+                if not ran:
                     self._wake.wait(self.config.idle_poll_s)
                     self._wake.clear()
             except grpc.RpcError as err:
@@ -191,9 +199,11 @@ class Engine:
         False when nothing ran (every request waits in the daemon)."""
         assert self.session is not None and self.runner is not None
         previous = self._forward
+        started = time.monotonic()
         msg = self.requests.build_step(previous.request_ids if previous else ())
         reply = self.session.step(msg)
         self.steps += 1
+        self._free_blocks = reply.num_free_blocks
         if reply.preempted:
             self.num_preempted += len(reply.preempted)
             log.info("preempted to make room; they will recompute", extra={"requests": list(reply.preempted)})
@@ -210,7 +220,7 @@ class Engine:
             self.runner.wait_for_copies(reply.copy_events)
         chunks = [self._chunk(w) for w in work]
         self.session.check_lease()  # never write into blocks that may be someone else's by now
-        self._forward = Forward(work, chunks, self.runner.forward(chunks))
+        self._forward = Forward(work, chunks, self.runner.forward(chunks), started)
         if not self.config.pipelined:
             self._forward, forward = None, self._forward
             self._read_results(forward)
@@ -248,12 +258,32 @@ class Engine:
             # here: the next Step commits these blocks, and the daemon may copy
             # them to its host tier at once, from another process and stream.
             self.runner.wait_for_writes()
+            self._observe_rate(forward)
             return
         sampled = self.sampler.sample(forward.logits, [s.params for s in sampling], [s.generator for s in sampling])
+        self._observe_rate(forward)  # reading the sampled tokens waited for the forward
         for i, seq in enumerate(sampling):
             if seq.is_finished:  # cancelled while its forward ran: its token is dropped
                 continue
             self._append_token(seq, sampled.tokens[i], sampled.logprobs[i], sampled.top[i])
+
+    def _observe_rate(self, forward: Forward) -> None:
+        tokens = sum(len(c.token_ids) for c in forward.chunks)
+        self.prefill_rate.observe(tokens, time.monotonic() - forward.started_s)
+
+    def _publish_load(self) -> None:
+        rate = self.prefill_rate
+        self.load.publish(
+            LoadReport(
+                queued_tokens=self.requests.queued_prefill_tokens(),
+                waiting=self.requests.num_waiting(),
+                running=len(self.requests.seqs) - self.requests.num_waiting(),
+                free_blocks=self._free_blocks,
+                forward_s=rate.forward_s if rate.known else 0.0,
+                token_s=rate.token_s if rate.known else 0.0,
+                token_budget=self.requests.settings.token_budget,
+            )
+        )
 
     def _append_token(
         self, seq: Sequence, token: int, logprob: float, top: tuple[list[int], list[float]] | None

@@ -92,6 +92,7 @@ class RequestTable:
 
     def computed(self, seq: Sequence, num_computed_tokens: int) -> None:
         """A forward wrote the K/V of ``seq``'s tokens up to this position."""
+        seq.num_computed = num_computed_tokens
         entry = self._commits.get(seq.request_id)
         self._commits[seq.request_id] = (num_computed_tokens, entry[1] if entry else [])
 
@@ -149,6 +150,7 @@ class RequestTable:
         seqs = self.seqs
         for request_id in reply.preempted:
             seqs[request_id].block_table = []
+            seqs[request_id].num_computed = 0
         released = [seqs.pop(request_id) for request_id in reply.released]
         s = reply.scheduled
         block_ids = s.new_block_ids[:]
@@ -166,6 +168,20 @@ class RequestTable:
             if not seq.is_finished:
                 work.append(Work(seq, first, num_tokens, cached))
         return work, released
+
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens still to compute (what a new request queues behind):
+        the rest of each prefilling sequence, and of each waiting one what its
+        daemon did not hold when it came."""
+        return sum(
+            len(s.prompt_ids) - max(s.num_computed, s.expected_cached)
+            for s in self.seqs.values()
+            if not s.output_ids and not s.is_finished
+        )
+
+    def num_waiting(self) -> int:
+        """Sequences the daemon has not admitted yet (or preempted)."""
+        return sum(1 for s in self.seqs.values() if not s.block_table)
 
     def drop_all(self) -> list[Sequence]:
         """Forgets every sequence (the daemon is gone); returns them."""

@@ -53,6 +53,9 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_cached_prompt: int = -1  # -1 until first admitted
     num_host_cached_prompt: int = 0  # of num_cached_prompt, copied back from the host tier
+    #: while waiting: the prompt tokens its daemon held when it came (load reports; 0: not asked)
+    expected_cached: int = 0
+    num_computed: int = 0  # tokens whose K/V a finished forward wrote (load reports)
     generator: torch.Generator | None = None
     arrival_s: float = field(default_factory=time.monotonic)
     first_token_s: float | None = None

@@ -17,6 +17,7 @@ from inference.sequence import Finish, Sequence
 from kvd.client import DaemonClient
 from kvd.grpc_server import Server, StatusTable
 from kvd.grpc_server import build_server as build_grpc_server
+from kvd_api.daemon.v1 import daemon_pb2 as dpb
 from kvd_api.engine.v1 import engine_pb2 as pb
 from kvd_api.engine.v1 import engine_pb2_grpc as pb_grpc
 
@@ -72,6 +73,7 @@ class EngineService(pb_grpc.EngineServicer):
 
     def _stream(self, seq: Sequence, response_id: str, context):
         self.engine.submit(seq)
+        self._expect_hits(seq)
         # Fires when the client cancels, the deadline passes, or the call
         # ends; cancelling a finished sequence does nothing.
         context.add_callback(lambda: self.engine.cancel(seq.request_id))
@@ -93,6 +95,20 @@ class EngineService(pb_grpc.EngineServicer):
                 return
             else:
                 context.abort(grpc.StatusCode.UNAVAILABLE, event[1])
+
+    def _expect_hits(self, seq: Sequence) -> None:
+        """Asks the daemon what it holds of the prompt, for the load reports
+        while the request waits (after submitting it: never on its way)."""
+        session = self.engine.session
+        if session is None:
+            return
+        try:
+            reply = session.client.stub.Lookup(
+                dpb.LookupRequest(token_ids=seq.prompt_ids, cache_salt=seq.cache_salt), timeout=2.0
+            )
+        except grpc.RpcError:
+            return  # the reports count its whole prompt
+        seq.expected_cached = reply.num_cached_tokens + reply.num_host_cached_tokens
 
     # ----------------------------------------------------- unary methods
 
@@ -140,6 +156,15 @@ class EngineService(pb_grpc.EngineServicer):
         except grpc.RpcError as err:
             if context.is_active():
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"KV-cache daemon events: {err.details()}")
+
+    def Load(self, request, context):
+        seen = -1
+        while context.is_active():
+            seen, r = self.engine.load.wait(seen, timeout_s=1.0)
+            yield pb.LoadReport(
+                queued_tokens=r.queued_tokens, waiting=r.waiting, running=r.running, free_blocks=r.free_blocks,
+                forward_s=r.forward_s, token_s=r.token_s, token_budget=r.token_budget,
+            )  # fmt: skip
 
     def _daemon(self) -> DaemonClient:
         session = self.engine.session

@@ -20,7 +20,7 @@ from kvd.block import Block
 from kvd.cache import KVCache
 from kvd.config import DaemonConfig
 from kvd.errors import PreconditionError
-from kvd.events import EventHub
+from kvd.events import EventBatch, EventHub, EventsSnapshot
 from kvd.layout import CacheLayout
 from kvd.memory import KVMemory
 from kvd.scheduler import run_step
@@ -46,15 +46,20 @@ class Daemon:
         self.config = config
         self.lock = threading.Lock()
         self.sessions = SessionRegistry(config.lease_s)
-        self.events = EventHub()
+        self.events = EventHub(self._cached_hashes)
         self.cache: KVCache | None = None
         self._clock = clock
         self._reaper: threading.Thread | None = None
         self._stop_reaper = threading.Event()
         if config.model_layout is not None:
-            self.cache = KVCache(config, config.model_layout, self.lock, self.events.publish)
+            self._create_cache(config.model_layout)
 
     # -------------------------------------------------------------- cache
+
+    def _create_cache(self, model_layout: CacheLayout) -> KVCache:
+        self.cache = KVCache(self.config, model_layout, self.lock, self.events.publish)
+        self.events.new_incarnation(self.cache.cache_id)
+        return self.cache
 
     def _cache(self) -> KVCache:
         if self.cache is None:
@@ -87,7 +92,7 @@ class Daemon:
             if self.cache is None:
                 if model_layout is None:
                     raise PreconditionError("the daemon has no cache yet: attach with the model's layout")
-                self.cache = KVCache(self.config, model_layout, self.lock, self.events.publish)
+                self._create_cache(model_layout)
             elif model_layout is not None and not self.cache.layout.same_model(model_layout):
                 raise PreconditionError(
                     f"the model's layout ({model_layout.describe()}) does not match the daemon's cache "
@@ -207,12 +212,22 @@ class Daemon:
 
     # ------------------------------------------------------------- events
 
-    def subscribe(self) -> queue.SimpleQueue:
-        """A queue that receives every later batch of block events (None: the end)."""
-        return self.events.subscribe()
+    def subscribe(self) -> tuple[queue.SimpleQueue[EventBatch | None], EventsSnapshot]:
+        """What is cached now, and a queue that receives every later batch of
+        block events (None: the end). Taken under the lock every publisher
+        holds, so nothing falls between the two."""
+        with self.lock:
+            return self.events.subscribe()
 
     def unsubscribe(self, subscriber: queue.SimpleQueue) -> None:
         self.events.unsubscribe(subscriber)
+
+    def _cached_hashes(self) -> tuple[list[bytes], list[bytes]]:
+        """Every cached block's hash per tier (device, host); under the lock."""
+        if self.cache is None:
+            return [], []
+        host = list(self.cache.host.cached) if self.cache.host is not None else []
+        return list(self.cache.pool.cached), host
 
     def _publish(self) -> None:
         """Hands this call's events to every subscriber (under the lock)."""

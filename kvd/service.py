@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 
 import grpc
 
@@ -11,6 +12,7 @@ from kvd import wire
 from kvd.block_pool import DEVICE, HOST, AllCleared, BlockEvent, BlockRemoved, BlockStored
 from kvd.daemon import Daemon
 from kvd.errors import CapacityError, NotFoundError, PreconditionError
+from kvd.events import EventsSnapshot
 from kvd.free_queue import FreeBlockQueue
 from kvd.grpc_server import Server, StatusTable
 from kvd.grpc_server import build_server as build_grpc_server
@@ -116,16 +118,35 @@ class KVDaemonService(pb_grpc.KVDaemonServicer):
         )
 
     def Events(self, request, context):
-        subscriber = self.daemon.subscribe()
+        subscriber, snapshot = self.daemon.subscribe()
         context.add_callback(lambda: subscriber.put(None))  # wakes us on cancel
         try:
+            yield from snapshot_to_pb(snapshot)
             while True:
                 batch = subscriber.get()
                 if batch is None:
                     return
-                yield pb.BlockEvents(events=[event_to_pb(e) for e in batch])
+                yield pb.BlockEvents(
+                    events=[event_to_pb(e) for e in batch.events],
+                    incarnation=batch.incarnation,
+                    sequence=batch.sequence,
+                )
         finally:
             self.daemon.unsubscribe(subscriber)
+
+
+#: Hashes per snapshot message: 32-byte hashes stay far under gRPC's 4 MB message limit.
+SNAPSHOT_CHUNK = 50_000
+
+
+def snapshot_to_pb(snapshot: EventsSnapshot) -> Iterator[pb.BlockEvents]:
+    """The snapshot's messages: all cleared, then each tier's blocks stored, in chunks."""
+    header = {"incarnation": snapshot.incarnation, "sequence": snapshot.sequence, "snapshot": True}
+    yield pb.BlockEvents(events=[pb.BlockEvent(all_cleared=pb.AllCleared())], **header)
+    for tier, hashes in ((pb.TIER_DEVICE, snapshot.device), (pb.TIER_HOST, snapshot.host)):
+        for start in range(0, len(hashes), SNAPSHOT_CHUNK):
+            stored = pb.BlockStored(block_hashes=hashes[start : start + SNAPSHOT_CHUNK], tier=tier)
+            yield pb.BlockEvents(events=[pb.BlockEvent(stored=stored)], **header)
 
 
 _TIER_TO_PB = {DEVICE: pb.TIER_DEVICE, HOST: pb.TIER_HOST}

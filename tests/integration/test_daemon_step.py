@@ -192,6 +192,9 @@ def test_events_report_stored_removed_and_cleared_blocks(daemon):
 
     def read():
         for batch in stream:
+            if batch.snapshot:  # what was cached before: nothing yet
+                assert [e.WhichOneof("kind") for e in batch.events] == ["all_cleared"], batch
+                continue
             received.extend(batch.events)
             if any(e.HasField("all_cleared") for e in batch.events):
                 done.set()
@@ -210,6 +213,31 @@ def test_events_report_stored_removed_and_cleared_blocks(daemon):
     stored = [h for e in received if e.HasField("stored") for h in e.stored.block_hashes]
     removed = [h for e in received if e.HasField("removed") for h in e.removed.block_hashes]
     assert len(stored) == 2 and sorted(removed) == sorted(stored)
+
+
+def test_a_subscriber_gets_a_snapshot_then_every_later_batch_numbered(daemon):
+    client = daemon.client()
+    session = client.attach("engine")
+    run_to_completion(session, "a", list(range(500, 512)))  # 3 blocks cached before the subscription
+    stream = client.events()
+    head = next(stream)
+    assert head.snapshot and [e.WhichOneof("kind") for e in head.events] == ["all_cleared"]
+    describe = client.stub.Describe(pb.DescribeRequest())
+    assert head.incarnation == describe.cache_id != ""
+    body = next(stream)
+    assert body.snapshot and body.sequence == head.sequence and len(body.events[0].stored.block_hashes) == 3
+    expected = [h for h in body.events[0].stored.block_hashes]
+    run_to_completion(session, "b", list(range(600, 608)))  # 2 more blocks: live batches follow
+    live = next(stream)
+    assert not live.snapshot and live.sequence == head.sequence + 1 and live.incarnation == head.incarnation
+    assert len(live.events[0].stored.block_hashes) == 2
+    stream.cancel()
+    # A second subscriber's snapshot holds all five, as of the last batch numbered.
+    again = client.events()
+    parts = [next(again), next(again)]
+    again.cancel()
+    assert {p.sequence for p in parts} == {live.sequence}
+    assert set(parts[1].events[0].stored.block_hashes) == set(expected) | set(live.events[0].stored.block_hashes)
 
 
 def test_reset_is_refused_while_blocks_are_in_use(daemon):

@@ -92,6 +92,21 @@ def test_logprobs_are_returned_when_asked(engine, tokenizer):
     assert len(logprobs) == 4 and all(lp <= 0 for lp in logprobs)
 
 
+def test_the_load_stream_reports_queued_work_and_a_measured_rate(engine):
+    reports = engine.Load(pb.LoadRequest(), timeout=120)
+    first = next(reports)  # at once
+    assert first.token_budget > 0
+    # A long prompt: while it waits or prefills, its tokens are queued work.
+    call = engine.Generate(request(list(range(1000, 1000 + 1500)), 4), timeout=120)
+    busy = next(r for r in reports if r.queued_tokens > 0 or r.running > 0)
+    assert busy.queued_tokens <= 1500 and busy.running + busy.waiting >= 1
+    assert len(list(call)) >= 1
+    idle = next(r for r in reports if r.running == 0 and r.waiting == 0)
+    assert idle.queued_tokens == 0 and idle.free_blocks > 0
+    assert idle.token_s > 0 or idle.forward_s == 0  # measured, or both unknown (0) after a few steps
+    reports.cancel()
+
+
 def test_warm_caches_a_prefix_and_reports_it(shared_stack, engine, tokenizer):
     ids = tokenizer.encode("A template of instructions. " * 8, add_special_tokens=False)
     reply = engine.Warm(pb.WarmRequest(token_ids=ids, cache_salt=b"warm-test"))

@@ -116,6 +116,30 @@ def test_a_template_and_a_long_prefix_each_stay_on_one_replica(gateway, replicas
         assert routed == direct
 
 
+def test_a_gateway_started_later_sees_what_the_daemons_hold(gateway, replicas, tokenizer, folder):
+    with GatewayClient(gateway.address, timeout_s=120) as client:
+        for i in range(2):  # blocks cached before the second gateway exists
+            completion(client, document(tokenizer, 64 + 32 * i) + f" Note {i}.", max_new_tokens=2)
+    held = [stats(e).num_cached_blocks for e in replicas]
+    assert sum(held) > 0
+
+    def views(client: GatewayClient) -> list[int]:
+        return [r.known_blocks for r in sorted(client.info().replicas, key=lambda r: r.address)]
+
+    engines = ",".join(e.address for e in replicas)
+    args = ["--redis-url", "redis://127.0.0.1:6379/0", "--redis-prefix", f"kvd-test-late-{secrets.token_hex(4)}:",
+            "--health-interval-s", "0.2"]  # fmt: skip
+    late = start_gateway(engines, args, folder)
+    try:
+        order = sorted(range(len(replicas)), key=lambda i: replicas[i].address)
+        wanted = [held[i] for i in order]
+        with GatewayClient(late.address, timeout_s=60) as late_client, GatewayClient(gateway.address) as first:
+            assert wait_for(lambda: views(late_client) == wanted, 20), (views(late_client), wanted, late.log())
+            assert views(first) == wanted  # the one that saw the events live agrees
+    finally:
+        late.stop()
+
+
 def test_a_replica_that_dies_is_routed_around_and_comes_back_rewarmed(gateway, replicas, tokenizer, model_dir):
     content = document(tokenizer, 120)
     with GatewayClient(gateway.address, timeout_s=120) as client:

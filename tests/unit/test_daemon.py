@@ -99,14 +99,20 @@ def test_the_cache_is_made_whole_at_the_first_attach_and_kept(daemon):
 
 def test_events_reach_every_subscriber_and_close_ends_their_streams(tmp_path, clock):
     daemon = Daemon(DaemonConfig(block_size=4, num_blocks=8, shm_dir=str(tmp_path), model_layout=LAYOUT), clock=clock)
-    first, second = daemon.subscribe(), daemon.subscribe()
+    (first, snapshot), (second, _) = daemon.subscribe(), daemon.subscribe()
+    assert (snapshot.incarnation, snapshot.sequence, snapshot.device) == (daemon.cache_id, 0, [])
     session, _ = daemon.attach("engine", None)
     daemon.step(session.session_id, arrive("r", list(range(9))))
     done = pb.Commits(request_ids=["r"], num_computed_tokens=[9], num_new_tokens=[0])
     daemon.step(session.session_id, pb.StepRequest(commits=done, finished=["r"]))
     assert first.get_nowait() == second.get_nowait() and first.empty() is second.empty()
     daemon.unsubscribe(second)
+    _, later = daemon.subscribe()
+    assert len(later.device) == 2 and later.sequence >= 1
     daemon.close()
+    sequences = []
     while (batch := first.get_nowait()) is not None:
-        assert batch
+        assert batch.events and batch.incarnation == daemon.cache_id
+        sequences.append(batch.sequence)
+    assert sequences == list(range(1, len(sequences) + 1))
     assert second.empty()

@@ -1,18 +1,19 @@
-"""The routing policy as plain code: affinity, the load bound, health, events, endpoints."""
+"""The routing policies as plain code: cost, affinity and its load bound, health, events, the index, endpoints."""
 
 from __future__ import annotations
 
 import pytest
 
+from gateway.block_index import BlockIndex, index_keys
 from gateway.endpoints import check_endpoint, expand
-from gateway.router import NoReplica, RouteKey, Router, RouterConfig, rendezvous
+from gateway.router import Load, NoReplica, Route, RouteKey, Router, RouterConfig, rendezvous
 from kvd.hashing import chain_block_hashes, encode_extra_keys
 
 A, B, C = "10.0.0.1:50052", "10.0.0.2:50052", "10.0.0.3:50052"
 
 
-def router(*addresses: str, **config) -> Router:
-    r = Router(RouterConfig(**config))
+def router(*addresses: str, clock=None, **config) -> Router:
+    r = Router(RouterConfig(**config), **({"clock": clock} if clock else {}))
     r.set_replicas(addresses)
     for address in addresses:
         r.set_serving(address, True)
@@ -27,7 +28,7 @@ PROMPT = hashes(list(range(64)))  # 4 blocks
 
 
 def test_a_template_goes_where_it_is_pinned_else_to_its_rendezvous_first():
-    r = router(A, B, C)
+    r = router(A, B, C, policy="affinity")
     first = rendezvous(b"acme/bot", [A, B, C])[0]
     assert r.choose(RouteKey(template="acme/bot")) == first
     other = next(a for a in (A, B, C) if a != first)
@@ -38,7 +39,7 @@ def test_a_template_goes_where_it_is_pinned_else_to_its_rendezvous_first():
 
 
 def test_a_prompt_goes_to_the_replica_holding_the_longest_run_of_its_blocks():
-    r = router(A, B, C)
+    r = router(A, B, C, policy="affinity")
     r.apply(A, [("stored", PROMPT[:1], 0)])
     r.apply(B, [("stored", PROMPT[:3], 0)])
     r.apply(C, [("stored", PROMPT[1:], 0)])  # not a run from the first block
@@ -52,7 +53,7 @@ def test_a_prompt_goes_to_the_replica_holding_the_longest_run_of_its_blocks():
 
 
 def test_events_update_what_a_replica_holds():
-    r = router(A, B)
+    r = router(A, B, policy="affinity")
     r.apply(A, [("stored", PROMPT, 0)])
     assert r.choose(RouteKey(block_hashes=PROMPT)) == A
     r.apply(A, [("removed", PROMPT[:1], 0)])  # its first block was evicted: no run left
@@ -66,16 +67,16 @@ def test_events_update_what_a_replica_holds():
 
 
 def test_a_block_is_held_while_stored_in_any_tier():
-    r = router(A, B)
+    r = router(A, B, policy="affinity")
     r.apply(A, [("stored", PROMPT, 0), ("stored", PROMPT, 1), ("removed", PROMPT, 0)])
     assert r.choose(RouteKey(block_hashes=PROMPT)) == A
-    assert r.snapshot()[0].known_blocks == len(PROMPT)
+    assert (r.snapshot()[0].known_blocks, r.snapshot()[0].known_host_blocks) == (0, len(PROMPT))
     r.apply(A, [("removed", PROMPT, 1)])
-    assert r.snapshot()[0].known_blocks == 0
+    assert r.snapshot()[0].known_host_blocks == 0
 
 
 def test_an_overloaded_target_spills_to_the_least_loaded():
-    r = router(A, B, C, load_factor=1.0, load_slack=1.0)
+    r = router(A, B, C, policy="affinity", load_factor=1.0, load_slack=1.0)
     r.apply(A, [("stored", PROMPT, 0)])
     key = RouteKey(block_hashes=PROMPT)
     placed = []
@@ -91,7 +92,7 @@ def test_an_overloaded_target_spills_to_the_least_loaded():
 
 
 def test_the_default_bound_keeps_affinity_under_moderate_imbalance():
-    r = router(A, B)
+    r = router(A, B, policy="affinity")
     r.apply(A, [("stored", PROMPT, 0)])
     for _ in range(3):
         r.started(A)
@@ -106,7 +107,7 @@ def test_the_default_bound_keeps_affinity_under_moderate_imbalance():
 
 
 def test_replicas_that_do_not_serve_are_skipped():
-    r = router(A, B)
+    r = router(A, B, policy="affinity")
     r.apply(A, [("stored", PROMPT, 0)])
     r.set_serving(A, False)
     assert r.choose(RouteKey(block_hashes=PROMPT)) == B
@@ -134,7 +135,7 @@ def test_replicas_come_and_go():
 
 
 def test_bad_configs_are_refused():
-    for bad in ({"policy": "random"}, {"load_factor": 0.5}, {"load_slack": -1}):
+    for bad in ({"policy": "random"}, {"load_factor": 0.5}, {"load_slack": -1}, {"work_weight": 0}, {"token_s": 0}):
         with pytest.raises(ValueError):
             RouterConfig(**bad)
 
@@ -158,3 +159,117 @@ def test_endpoints_expand_dns_names_and_keep_fixed_addresses():
     for bad in ("nohost", "dns:name", "h:0", "h:x", ":80"):
         with pytest.raises(ValueError):
             check_endpoint(bad)
+
+
+# ------------------------------------------------------------------ cost
+
+
+def key(tokens: list[int], salt: bytes = b"tenant", **kw) -> RouteKey:
+    return RouteKey(block_hashes=hashes(tokens, salt), num_tokens=len(tokens), **kw)
+
+
+LONG = list(range(640))  # 40 blocks
+
+
+def test_cost_prefers_the_replica_holding_the_prompt_while_its_queue_is_short():
+    clock = [0.0]
+    r = router(A, B, C, clock=lambda: clock[0])
+    prompt = key(LONG)
+    r.apply(B, [("stored", prompt.block_hashes[:30], 0)])
+    assert r.route(prompt) == Route(B, 640 - 30 * 16)
+    # B reports a long queue: 10 uncached blocks elsewhere cost less than waiting.
+    for address in (A, C):
+        r.report_load(address, Load(queued_tokens=0, forward_s=0.01, token_s=1e-4, token_budget=512))
+    r.report_load(B, Load(queued_tokens=20_000, forward_s=0.01, token_s=1e-4, token_budget=512))
+    assert r.choose(prompt) != B
+    r.report_load(B, Load(queued_tokens=100, forward_s=0.01, token_s=1e-4, token_budget=512))
+    assert r.choose(prompt) == B
+
+
+def test_cost_counts_this_gateways_requests_until_a_report_covers_them():
+    clock = [0.0]
+    r = router(A, B, clock=lambda: clock[0], report_lag_s=0.05)
+    first = r.route(key(LONG))
+    ticket = r.started(first.address, first.uncached_tokens)
+    other = next(a for a in (A, B) if a != first.address)
+    assert r.choose(key(list(range(1000, 1640)))) == other  # 640 tokens queued there by this gateway
+    clock[0] = 1.0  # reports that include it: counted once, not twice
+    rate = {"forward_s": 0.02, "token_s": 1e-4, "token_budget": 2048}
+    r.report_load(first.address, Load(queued_tokens=640, **rate))
+    r.report_load(other, Load(queued_tokens=1000, **rate))
+    assert r.choose(key(list(range(3000, 3640)))) == first.address
+    r.prefilled(first.address, ticket)
+    r.finished(first.address, ticket)
+    assert [v.in_flight for v in r.snapshot()] == [0, 0]
+    r.forget_load(other)  # its load stream broke: nothing known queued there
+    assert r.choose(key(list(range(5000, 5640)))) == other
+
+
+def test_a_replica_not_measured_yet_is_estimated_at_the_fleets_rate():
+    r = router(A, B)
+    prompt = key(LONG, template="acme/bot", template_blocks=30)
+    r.place("acme/bot", A)
+    # A prefilled one long prompt (a slow fit); B never ran: it reports no rate.
+    r.report_load(A, Load(queued_tokens=0, forward_s=0.5, token_s=2e-3, token_budget=512))
+    r.report_load(B, Load(queued_tokens=0, forward_s=0.0, token_s=0.0, token_budget=512))
+    assert r.choose(prompt) == A  # not to B for looking fast: both at A's rate, A holds 30 blocks
+
+
+def test_cost_spreads_new_conversations_behind_a_shared_system_prompt():
+    r = router(*[f"10.0.1.{i}:1" for i in range(8)])
+    system = list(range(320))  # 20 blocks every replica holds
+    for address in r.addresses():
+        r.apply(address, [("stored", hashes(system), 0)])
+    picks = {r.choose(key(system + [10_000 + c] * 64)) for c in range(64)}
+    assert len(picks) >= 6  # by each conversation's own first block, not the address order
+    # The same conversation asked again goes to the same replica (nothing queued anywhere).
+    convo = key(system + [99] * 64)
+    assert len({r.choose(convo) for _ in range(5)}) == 1
+
+
+def test_a_replica_lacking_only_the_fleets_common_prefix_still_gets_new_conversations():
+    addresses = [f"10.0.2.{i}:1" for i in range(4)]
+    r = router(*addresses)
+    system = list(range(320))
+    for address in addresses[:3]:  # the fourth is new: its cache is empty
+        r.apply(address, [("stored", hashes(system), 0)])
+    picks = {r.choose(key(system + [20_000 + c] * 64)) for c in range(40)}
+    assert addresses[3] in picks and len(picks) == 4
+
+
+def test_cost_keeps_a_templated_request_on_the_template_replica():
+    r = router(A, B, C)
+    template = list(range(200))
+    prompt = key(template + [7] * 20, template="acme/bot", template_blocks=len(template) // 16)
+    r.place("acme/bot", C)
+    assert r.choose(prompt) == C  # no event yet: the pin says it is there
+    for address in (A, B, C):  # cached everywhere (A and B stood in for it): a tie, its replica wins
+        r.apply(address, [("stored", prompt.block_hashes[:12], 0)])
+    assert r.choose(prompt) == C
+    r.set_serving(C, False)
+    assert r.choose(prompt) == rendezvous(b"acme/bot", [A, B])[0]
+
+
+def test_the_index_finds_every_replicas_run_in_one_search():
+    index = BlockIndex()
+    blocks = hashes(LONG)
+    keys = index_keys(blocks)
+    index.stored(0, 0, blocks[:10])
+    index.stored(1, 0, blocks[:25])
+    index.stored(2, 1, blocks[:5])  # host tier counts as held
+    index.stored(3, 0, blocks[1:])  # no run from the first block
+    assert index.run_lengths(keys, 0b1111) == {0: 10, 1: 25, 2: 5}
+    assert index.run_lengths(keys, 0b1) == {0: 10}  # only the candidates asked about
+    assert index.num_entries() == 40 + 5  # one entry a block per tier, whoever holds it
+    index.removed(1, 0, blocks[20:])  # its tail evicted
+    assert index.run_lengths(keys, 0b1111)[1] == 20
+    index.clear(1)
+    assert index.known(1) == 0 and index.known(0) == 10 and index.known(2, 1) == 5
+    assert 1 not in index.run_lengths(keys, 0b1111)
+    assert index.run_lengths((), 0b1111) == {}
+    # Many replicas, runs of every length, in both tiers.
+    index = BlockIndex()
+    for slot in range(64):
+        index.stored(slot, slot % 2, blocks[: (slot * 7) % 41])
+    expected = {slot: (slot * 7) % 41 for slot in range(64) if (slot * 7) % 41}
+    assert index.run_lengths(keys, (1 << 64) - 1) == expected

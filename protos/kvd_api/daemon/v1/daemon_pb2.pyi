@@ -408,7 +408,13 @@ class AllCleared(_message.Message):
     def __init__(self) -> None: ...
 
 class BlockEvents(_message.Message):
-    __slots__ = ("events",)
+    __slots__ = ("events", "incarnation", "sequence", "snapshot")
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[BlockEvent]
-    def __init__(self, events: _Optional[_Iterable[_Union[BlockEvent, _Mapping]]] = ...) -> None: ...
+    incarnation: str
+    sequence: int
+    snapshot: bool
+    def __init__(self, events: _Optional[_Iterable[_Union[BlockEvent, _Mapping]]] = ..., incarnation: _Optional[str] = ..., sequence: _Optional[int] = ..., snapshot: _Optional[bool] = ...) -> None: ...

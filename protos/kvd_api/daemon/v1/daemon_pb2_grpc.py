@@ -177,7 +177,8 @@ class KVDaemonServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Events(self, request, context):
-        """Block stored / removed / all cleared, as they happen.
+        """What the cache holds (a snapshot), then block stored / removed / all
+        cleared as they happen, without a gap between the two.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -217,3 +217,25 @@ class InfoResponse(_message.Message):
 class BlockEventsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class LoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LoadReport(_message.Message):
+    __slots__ = ("queued_tokens", "waiting", "running", "free_blocks", "forward_s", "token_s", "token_budget")
+    QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_S_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_S_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    queued_tokens: int
+    waiting: int
+    running: int
+    free_blocks: int
+    forward_s: float
+    token_s: float
+    token_budget: int
+    def __init__(self, queued_tokens: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., free_blocks: _Optional[int] = ..., forward_s: _Optional[float] = ..., token_s: _Optional[float] = ..., token_budget: _Optional[int] = ...) -> None: ...

@@ -70,6 +70,11 @@ class EngineStub:
                 request_serializer=kvd__api_dot_engine_dot_v1_dot_engine__pb2.BlockEventsRequest.SerializeToString,
                 response_deserializer=kvd__api_dot_daemon_dot_v1_dot_daemon__pb2.BlockEvents.FromString,
                 _registered_method=True)
+        self.Load = channel.unary_stream(
+                '/kvd.engine.v1.Engine/Load',
+                request_serializer=kvd__api_dot_engine_dot_v1_dot_engine__pb2.LoadRequest.SerializeToString,
+                response_deserializer=kvd__api_dot_engine_dot_v1_dot_engine__pb2.LoadReport.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -131,6 +136,14 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Load(self, request, context):
+        """The engine's load, for routers: a report at once, then one on every
+        change (at most one per step), and at least every second.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -168,6 +181,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.BlockEvents,
                     request_deserializer=kvd__api_dot_engine_dot_v1_dot_engine__pb2.BlockEventsRequest.FromString,
                     response_serializer=kvd__api_dot_daemon_dot_v1_dot_daemon__pb2.BlockEvents.SerializeToString,
+            ),
+            'Load': grpc.unary_stream_rpc_method_handler(
+                    servicer.Load,
+                    request_deserializer=kvd__api_dot_engine_dot_v1_dot_engine__pb2.LoadRequest.FromString,
+                    response_serializer=kvd__api_dot_engine_dot_v1_dot_engine__pb2.LoadReport.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -359,6 +377,33 @@ class Engine:
             '/kvd.engine.v1.Engine/BlockEvents',
             kvd__api_dot_engine_dot_v1_dot_engine__pb2.BlockEventsRequest.SerializeToString,
             kvd__api_dot_daemon_dot_v1_dot_daemon__pb2.BlockEvents.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Load(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvd.engine.v1.Engine/Load',
+            kvd__api_dot_engine_dot_v1_dot_engine__pb2.LoadRequest.SerializeToString,
+            kvd__api_dot_engine_dot_v1_dot_engine__pb2.LoadReport.FromString,
             options,
             channel_credentials,
             insecure,
