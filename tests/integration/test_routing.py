@@ -141,7 +141,10 @@ def test_a_gateway_started_later_sees_what_the_daemons_hold(gateway, replicas, t
 
 
 def test_a_replica_that_dies_is_routed_around_and_comes_back_rewarmed(gateway, replicas, tokenizer, model_dir):
-    content = document(tokenizer, 120)
+    # NOTE: its own first words: every document() shares its first blocks, which the
+    # earlier tests left cached on both replicas, and a prefix both hold costs the
+    # same on either (cost routing may then pick the stand-in).
+    content = "Operations handbook, night shift. " + document(tokenizer, 120)
     with GatewayClient(gateway.address, timeout_s=120) as client:
         client.create_template("ops", content)
         home = home_of(client)
