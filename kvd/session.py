@@ -223,14 +223,14 @@ def _new_request(manager: KVCacheManager, new: pb.NewRequest, index: int, sessio
         raise ValueError(f"{where}.prompt_token_ids is empty (request {new.request_id!r})")
     if new.max_new_tokens < 0:
         raise ValueError(f"{where}.max_new_tokens must be >= 0, got {new.max_new_tokens}")
-    prompt = new.prompt_token_ids[:]
     try:
-        token_bytes(prompt)
+        # NOTE: one copy and one pass over the prompt: hashing its full blocks
+        # validates their ids, and the manager checks the rest.
+        request = manager.new_request(new.request_id, new.prompt_token_ids, new.cache_salt, new.extra_keys[:])
     except ValueError as exc:
         raise ValueError(f"{where}.prompt_token_ids: {exc}") from None
-    request = manager.new_request(new.request_id, prompt, new.cache_salt, new.extra_keys[:])
     request.priority = new.priority
-    request.max_end = len(prompt) + max(new.max_new_tokens - 1, 0)
+    request.max_end = len(request.token_ids) + max(new.max_new_tokens - 1, 0)
     return request
 
 
