@@ -273,11 +273,12 @@ class Engine:
 
     def _publish_load(self) -> None:
         rate = self.prefill_rate
+        queued_tokens, waiting = self.requests.load()
         self.load.publish(
             LoadReport(
-                queued_tokens=self.requests.queued_prefill_tokens(),
-                waiting=self.requests.num_waiting(),
-                running=len(self.requests.seqs) - self.requests.num_waiting(),
+                queued_tokens=queued_tokens,
+                waiting=waiting,
+                running=len(self.requests.seqs) - waiting,
                 free_blocks=self._free_blocks,
                 forward_s=rate.forward_s if rate.known else 0.0,
                 token_s=rate.token_s if rate.known else 0.0,

@@ -169,19 +169,17 @@ class RequestTable:
                 work.append(Work(seq, first, num_tokens, cached))
         return work, released
 
-    def queued_prefill_tokens(self) -> int:
-        """Prompt tokens still to compute (what a new request queues behind):
-        the rest of each prefilling sequence, and of each waiting one what its
-        daemon did not hold when it came."""
-        return sum(
-            len(s.prompt_ids) - max(s.num_computed, s.expected_cached)
-            for s in self.seqs.values()
-            if not s.output_ids and not s.is_finished
-        )
-
-    def num_waiting(self) -> int:
-        """Sequences the daemon has not admitted yet (or preempted)."""
-        return sum(1 for s in self.seqs.values() if not s.block_table)
+    def load(self) -> tuple[int, int]:
+        """What a new request queues behind, in one pass: the prompt tokens
+        still to compute (the rest of each prefilling sequence, and of each
+        waiting one what its daemon did not hold when it came), and the
+        sequences the daemon has not admitted yet (or preempted)."""
+        queued = waiting = 0
+        for s in self.seqs.values():
+            waiting += not s.block_table
+            if not s.output_ids and not s.is_finished:
+                queued += len(s.prompt_ids) - max(s.num_computed, s.expected_cached)
+        return queued, waiting
 
     def drop_all(self) -> list[Sequence]:
         """Forgets every sequence (the daemon is gone); returns them."""
