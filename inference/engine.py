@@ -37,9 +37,8 @@ import torch
 from inference.detokenizer import IncrementalDetokenizer
 from inference.load import LoadBoard, LoadReport, PrefillRate
 from inference.model_runner import Chunk, ModelRunner
-from inference.requests import RequestTable, Work
+from inference.requests import Finish, RequestTable, Sequence, Work
 from inference.sampling import Sampler, make_generator
-from inference.sequence import Finish, Sequence
 from kvd.client import DaemonSession, LeaseLapsed
 
 log = logging.getLogger("inference.engine")

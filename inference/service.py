@@ -12,8 +12,8 @@ from pathlib import Path
 import grpc
 
 from inference.engine import Engine, EngineUnavailable
+from inference.requests import Finish, Sequence
 from inference.sampling import SamplingParams
-from inference.sequence import Finish, Sequence
 from kvd.client import DaemonClient
 from kvd.grpc_server import Server, StatusTable
 from kvd.grpc_server import build_server as build_grpc_server

@@ -21,8 +21,8 @@ import torch
 
 from inference.engine import Engine, EngineConfig
 from inference.model_runner import Chunk
+from inference.requests import Sequence
 from inference.sampling import SamplingParams
-from inference.sequence import Sequence
 from kvd.client import DaemonClient
 from kvd.config import DaemonConfig
 from kvd.daemon import Daemon
