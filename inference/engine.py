@@ -346,6 +346,7 @@ class Engine:
         assert session.cache is not None
         self.session = session
         self.runner = self._make_runner(session.cache, session.layout.block_size)
+        self.runner.before_write = session.check_lease  # checked per layer, see inference/attention.py
         log.info("attached to the KV-cache daemon", extra={"session": session.session_id})
         self._on_health(True)
         return True
@@ -369,7 +370,19 @@ class Engine:
         self._on_health(False)
 
     def _close_session(self) -> None:
-        session, self.session, self.runner = self.session, None, None
-        if session is not None:
-            with contextlib.suppress(grpc.RpcError):  # the daemon is gone; its lease lapses
-                session.detach()
+        session, runner = self.session, self.runner
+        self.session, self.runner = None, None
+        if session is None:
+            return
+        # NOTE: detaching tells the daemon we no longer write: a lapsed
+        # session's blocks, quarantined until now, are handed out again. On a
+        # GPU a forward's writes may still be queued on the stream.
+        try:
+            if runner is not None:
+                runner.wait_for_writes()
+        except Exception:  # unsure our writes landed: leave the blocks to the daemon's quarantine
+            log.exception("could not wait for the last forward's writes; not detaching")
+            session.stop_heartbeats()
+            return
+        with contextlib.suppress(grpc.RpcError):  # the daemon is gone; its lease lapses
+            session.detach()

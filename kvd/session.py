@@ -21,6 +21,7 @@ from itertools import accumulate
 from kvd.cache_manager import KVCacheManager
 from kvd.errors import NotFoundError
 from kvd.hashing import token_bytes
+from kvd.process_identity import ProcessIdentity
 from kvd.request import Request
 from kvd_api.daemon.v1 import daemon_pb2 as pb
 
@@ -62,6 +63,8 @@ class Session:
             (priority, then arrival).
         steps: how many Steps the session has sent.
         starved: its last Step left a waiting request out for want of blocks.
+        process: the engine's process as it named itself at attach (None:
+            unnamed), checked when the session's lease lapses (kvd.quarantine).
     """
 
     session_id: str
@@ -76,6 +79,7 @@ class Session:
     steps: int = 0
     arrivals: int = 0
     starved: bool = False
+    process: ProcessIdentity | None = None
 
     def get(self, request_id: str) -> Request:
         """The request ``request_id``, running or waiting.
@@ -254,11 +258,12 @@ class SessionRegistry:
         self.lease_s = lease_s
         self.sessions: dict[str, Session] = {}
 
-    def open(self, client_name: str, now: float | None = None) -> Session:
+    def open(self, client_name: str, now: float | None = None, process: ProcessIdentity | None = None) -> Session:
         session = Session(
             session_id=secrets.token_hex(8),
             client_name=client_name,
             last_seen=time.monotonic() if now is None else now,
+            process=process,
         )
         self.sessions[session.session_id] = session
         return session
@@ -273,10 +278,14 @@ class SessionRegistry:
 
     def close(self, session_id: str, manager: KVCacheManager) -> int:
         """Ends a session; returns how many requests it still held."""
+        return self.remove(session_id).release_all(manager)
+
+    def remove(self, session_id: str) -> Session:
+        """Takes a session out of the registry as it is (its requests keep their blocks)."""
         session = self.sessions.pop(session_id, None)
         if session is None:
             raise NotFoundError(f"unknown session {session_id!r}")
-        return session.release_all(manager)
+        return session
 
     def expired(self, now: float | None = None) -> list[str]:
         now = time.monotonic() if now is None else now
