@@ -589,10 +589,22 @@ def ratios(results: dict[str, Any]) -> dict[str, Any]:
             r["cost_over_oracle_ttft_p90"] = common.ratio(cost["ttft_p90_s"], by_policy["oracle"]["ttft_p90_s"])
         r["cost_over_best_hit_rate"] = common.ratio(cost["hit_rate"], max(s["hit_rate"] for s in by_policy.values()))
         if "round-robin" in by_policy:
-            r["cost_over_round_robin_ttft_mean"] = common.ratio(
-                cost["ttft_mean_s"], by_policy["round-robin"]["ttft_mean_s"]
-            )
+            rr = by_policy["round-robin"]["ttft_mean_s"]
+            r["cost_over_round_robin_ttft_mean"] = common.ratio(cost["ttft_mean_s"], rr)
+            if "oracle" in by_policy:  # whether 0.5x round-robin is within even the oracle's reach
+                r["oracle_over_round_robin_ttft_mean"] = common.ratio(by_policy["oracle"]["ttft_mean_s"], rr)
         out[cell] = r
+    cells = list(out.values())
+    worst = {
+        "worst_ttft_over_oracle": [c.get(k) for c in cells for k in ("cost_over_oracle_ttft_mean",
+                                                                       "cost_over_oracle_ttft_p90")],
+        "worst_hit_over_best": [c["cost_over_best_hit_rate"] for c in cells],
+        "worst_ttft_over_round_robin": [c.get("cost_over_round_robin_ttft_mean") for c in cells],
+    }  # fmt: skip
+    for name, values in worst.items():
+        known = [v for v in values if v is not None and not math.isnan(v)]
+        if known:
+            out[name] = min(known) if name == "worst_hit_over_best" else max(known)
     return out
 
 
@@ -633,6 +645,10 @@ def main(argv: list[str] | None = None) -> int:
     ]  # fmt: skip
     headers = ["cell", "policy", "requests", "hit", "ttft mean s", "p50 s", "p90 s", "util min", "util max"]
     print(common.format_table(headers, rows))
+    keys = ("cost_over_oracle_ttft_mean", "cost_over_oracle_ttft_p90", "cost_over_best_hit_rate",
+            "cost_over_round_robin_ttft_mean", "oracle_over_round_robin_ttft_mean")  # fmt: skip
+    by_cell = [[cell, *(r.get(k) for k in keys)] for cell, r in cell_ratios.items() if isinstance(r, dict)]
+    print(common.format_table(["cell", "cost/oracle mean", "p90", "hit/best", "cost/rr", "oracle/rr"], by_cell))
     workload = {
         k: getattr(args, k)
         for k in ("replicas", "loads", "workloads", "policies", "duration_s", "warmup", "block_tokens", "cache_blocks",
