@@ -5,9 +5,12 @@ gRPC health is SERVING:
 
 1. The blocks each replica already holds: the longest run of the prompt's
    leading block hashes its daemon announced (in any tier), found by one walk
-   over the request's blocks for every replica together (``BlockIndex``); a
-   templated request's template counts as held where it is pinned (the keeper
-   places it, see ``place``), else on the first replica of its rendezvous order.
+   over the request's blocks for every replica together (``BlockIndex``), and
+   the blocks this gateway's requests sent there will store once their
+   prefill ends (a conversation's next turn may come before that: queued
+   behind its previous turn, it finds them cached); a templated request's
+   template counts as held where it is pinned (the keeper places it, see
+   ``place``), else on the first replica of its rendezvous order.
 2. The time to first token each replica would give it: the prefill work queued
    there (the uncached prompt tokens of its waiting and prefilling requests, as
    its engine last reported them, plus this gateway's requests sent since) and
@@ -103,10 +106,12 @@ class Load:
 
 @dataclass(frozen=True)
 class Route:
-    """A choice: where, and the prompt tokens that replica will have to compute."""
+    """A choice: where, the prompt tokens that replica will have to compute,
+    and the index keys of the blocks it will store there (those it lacks)."""
 
     address: str
     uncached_tokens: int
+    new_keys: tuple[bytes, ...] = field(default=(), compare=False, repr=False)
 
 
 @dataclass(slots=True)
@@ -117,8 +122,9 @@ class ReplicaState:
     in_flight: int = 0
     load: Load | None = None
     load_at: float = -math.inf  # when the last report arrived
-    #: this gateway's requests not yet past their first token: ticket -> (sent at, uncached tokens)
-    pending: dict[int, tuple[float, int]] = field(default_factory=dict)
+    #: this gateway's requests not yet past their first token: ticket ->
+    #: (sent at, uncached tokens, the index keys of the blocks it will store)
+    pending: dict[int, tuple[float, int, tuple[bytes, ...]]] = field(default_factory=dict)
     #: of those, the tokens sent after what the last load report covers
     uncovered: int = 0
     #: (reported queued tokens, forward_s, token_s, token budget): the estimate's terms
@@ -130,12 +136,16 @@ class ReplicaState:
 
     def recount(self, lag_s: float) -> None:
         covered = self.covered_before(lag_s)
-        self.uncovered = sum(tokens for sent, tokens in self.pending.values() if sent > covered)
+        self.uncovered = sum(tokens for sent, tokens, _ in self.pending.values() if sent > covered)
 
-    def drop(self, ticket: int | None, lag_s: float) -> None:
+    def drop(self, ticket: int | None, lag_s: float) -> tuple[bytes, ...]:
+        """Forgets a pending request; returns the keys it promised."""
         entry = self.pending.pop(ticket, None)
-        if entry is not None and entry[0] > self.covered_before(lag_s):
+        if entry is None:
+            return ()
+        if entry[0] > self.covered_before(lag_s):
             self.uncovered -= entry[1]
+        return entry[2]
 
 
 @dataclass(frozen=True)
@@ -225,7 +235,10 @@ class Router:
         wanted = set(addresses)
         with self._lock:
             for address in self._replicas.keys() - wanted:
-                self._index.clear(self._replicas.pop(address).slot)
+                gone = self._replicas.pop(address)
+                self._index.clear(gone.slot)
+                for _, _, promised in gone.pending.values():
+                    self._index.unpromise(gone.slot, promised)
             used = {r.slot for r in self._replicas.values()}
             free = (s for s in itertools.count() if s not in used)
             for address in sorted(wanted - self._replicas.keys()):
@@ -335,29 +348,36 @@ class Router:
                 target = self._affinity(key, candidates, held)
             else:
                 target = self._cheapest(key, candidates, held)
-            return Route(target.address, _uncached(key, held.get(target.slot, 0)))
+            run = held.get(target.slot, 0)
+            return Route(target.address, _uncached(key, run), key.keys[run:])
 
-    def started(self, address: str, uncached_tokens: int = 0) -> int:
-        """Counts a request sent to ``address``; returns its ticket for ``prefilled`` and ``finished``."""
+    def started(self, address: str, uncached_tokens: int = 0, new_keys: Sequence[bytes] = ()) -> int:
+        """Counts a request sent to ``address``; returns its ticket for ``prefilled`` and ``finished``.
+
+        Args:
+            uncached_tokens, new_keys: its ``Route``'s: the prefill work it
+                queues there, and the blocks it promises (see ``BlockIndex.promise``).
+        """
         ticket = next(self._tickets)
         with self._lock:
             if (replica := self._replicas.get(address)) is not None:
                 replica.in_flight += 1
-                replica.pending[ticket] = (self._clock(), uncached_tokens)
+                replica.pending[ticket] = (self._clock(), uncached_tokens, tuple(new_keys))
                 replica.uncovered += uncached_tokens
+                self._index.promise(replica.slot, new_keys)
         return ticket
 
     def prefilled(self, address: str, ticket: int) -> None:
         """The request's first token came: its prefill no longer waits there."""
         with self._lock:
             if (replica := self._replicas.get(address)) is not None:
-                replica.drop(ticket, self.config.report_lag_s)
+                self._index.unpromise(replica.slot, replica.drop(ticket, self.config.report_lag_s))
 
     def finished(self, address: str, ticket: int | None = None) -> None:
         with self._lock:
             if (replica := self._replicas.get(address)) is not None:
                 replica.in_flight = max(0, replica.in_flight - 1)
-                replica.drop(ticket, self.config.report_lag_s)
+                self._index.unpromise(replica.slot, replica.drop(ticket, self.config.report_lag_s))
 
     # ------------------------------------------------------------ policies
 
