@@ -16,8 +16,13 @@ gRPC health is SERVING:
    its engine last reported them, plus this gateway's requests sent since) and
    this request's own uncached tokens, over the replica's measured prefill rate
    (a fixed time per forward plus a time per token). The request's own tokens
-   weigh ``work_weight`` times queued ones: a cache miss is paid again by the
-   turns that follow, a queue drains by itself.
+   weigh more than queued ones: they delay it and every request that will
+   queue behind it there. In a steady state those are as many as it finds
+   queued ahead, so the weight is 1 plus the fleet's queued tokens per
+   replica over a request's uncached tokens (a moving mean of this gateway's
+   requests): deep queues make a cache miss dear. ``work_weight`` is its
+   floor (near idle a cache miss is still paid again by the turns that
+   follow, and a queue drains by itself).
 3. The minimum wins; ties go to the template's replica, else by rendezvous
    order on the request's first block that not every candidate holds (a
    common system prompt says nothing: the conversation's own first block
@@ -51,6 +56,10 @@ POLICIES = ("cost", "affinity", "round-robin")
 #: A block event as the router takes it: (kind, block hashes, tier), kind
 #: one of "stored", "removed", "cleared".
 Event = tuple[str, Sequence[bytes], int]
+
+
+#: the weight of a request sent in the moving mean of requests' uncached tokens
+_WORK_EWMA = 0.01
 
 
 class NoReplica(LookupError):
@@ -166,8 +175,9 @@ class RouterConfig:
     policy: "cost", "affinity" or "round-robin".
     load_factor: how far above the mean load an affinity target may go.
     load_slack: requests a target may take above ``load_factor * mean``.
-    work_weight: how much more a request's own uncached token weighs than a
-        queued one (cost policy; 1: the plain TTFT estimate).
+    work_weight: the least a request's own uncached token weighs against a
+        queued one (cost policy; 1: the plain TTFT estimate); it weighs more
+        while the fleet's queues are long (see ``Router._work_weight``).
     report_lag_s: a load report covers this gateway's requests sent at least
         this long before it arrived (the engine reports on change).
     forward_s, token_s, token_budget: the prefill rate assumed for a replica
@@ -227,6 +237,7 @@ class Router:
         self._candidates: list[ReplicaState] | None = None  # the serving ones by address, until that changes
         self._among: int | None = None  # their slots' bits
         self._lock = threading.Lock()
+        self._mean_work = 0.0  # uncached tokens of a request sent, a moving mean (0: none yet)
 
     # ----------------------------------------------------------- replicas
 
@@ -364,6 +375,7 @@ class Router:
                 replica.in_flight += 1
                 replica.pending[ticket] = (self._clock(), uncached_tokens, tuple(new_keys))
                 replica.uncovered += uncached_tokens
+                self._mean_work += (uncached_tokens - self._mean_work) * (_WORK_EWMA if self._mean_work else 1.0)
                 self._index.promise(replica.slot, new_keys)
         return ticket
 
@@ -395,7 +407,7 @@ class Router:
         """The least estimated time to first token: the prefill work queued
         there and this request's uncached tokens (weighted) over its rate."""
         tokens = max(key.num_tokens, len(key.keys) * key.block_size)
-        weight = self.config.work_weight
+        weight = self._work_weight(candidates)
         fleet = None if all(r.measured for r in candidates) else self._fleet_rate(candidates)
         # A prefix most of the fleet holds (a common system prompt) counts as
         # held everywhere: a replica that lacks it computes it once and then
@@ -426,6 +438,20 @@ class Router:
             return tied[next(self._turn) % len(tied)]
         first = rendezvous(tie_key, (r.address for r in tied))[0]
         return next(r for r in tied if r.address == first)
+
+    def _work_weight(self, candidates: list[ReplicaState]) -> float:
+        """How much this request's own uncached token weighs against a queued one.
+
+        Its work delays itself, and every request that will queue behind it:
+        as many, in a steady state, as it finds queued ahead of it, which is
+        the fleet's queued tokens per replica over a request's uncached tokens
+        (a moving mean of this gateway's). Near idle few do, and
+        ``work_weight`` (a miss is paid again by the turns that follow) holds.
+        """
+        if self._mean_work <= 0:
+            return self.config.work_weight
+        queued = sum(r.rate[0] + r.uncovered for r in candidates) / len(candidates)
+        return max(self.config.work_weight, 1.0 + queued / self._mean_work)
 
     def _rate(self, load: Load | None) -> tuple[tuple[int, float, float, int], bool]:
         """The estimate's terms from a report, and whether its rate was measured."""

@@ -205,6 +205,27 @@ def test_cost_counts_this_gateways_requests_until_a_report_covers_them():
     assert r.choose(key(list(range(5000, 5640)))) == other
 
 
+def test_a_busier_fleet_weighs_a_cache_miss_more():
+    clock = [0.0]
+    r = router(A, B, C, clock=lambda: clock[0])
+    prompt = key(LONG)  # 640 tokens: B holds 480 of them
+    r.apply(B, [("stored", prompt.block_hashes[:30], 0)])
+    r.started(A, 640)  # a request's uncached tokens, as this gateway has seen them
+    clock[0] = 1.0
+    rate = {"forward_s": 0.0, "token_s": 1e-4, "token_budget": 2048}
+
+    def queues(a: int, b: int, c: int) -> str:
+        for address, queued in ((A, a), (B, b), (C, c)):
+            r.report_load(address, Load(queued_tokens=queued, **rate))
+        return r.choose(prompt)
+
+    # B has 3000 tokens more queued than the others. Near idle, that wait
+    # costs more than computing 480 tokens again elsewhere...
+    assert queues(0, 3000, 0) != B
+    # ... but when every queue is long, more requests will wait behind a miss.
+    assert queues(9000, 12_000, 9000) == B
+
+
 def test_a_replica_not_measured_yet_is_estimated_at_the_fleets_rate():
     r = router(A, B)
     prompt = key(LONG, template="acme/bot", template_blocks=30)
