@@ -16,12 +16,12 @@ gRPC health is SERVING:
    its engine last reported them, plus this gateway's requests sent since) and
    this request's own uncached tokens, over the replica's measured prefill rate
    (a fixed time per forward plus a time per token). The request's own tokens
-   weigh more than queued ones: they delay it and every request that will
-   queue behind it there. In a steady state those are as many as it finds
-   queued ahead, so the weight is 1 plus the fleet's queued tokens per
-   replica over a request's uncached tokens (a moving mean of this gateway's
-   requests): deep queues make a cache miss dear. ``work_weight`` is its
-   floor (near idle a cache miss is still paid again by the turns that
+   weigh more than queued ones: they delay every request that will queue
+   behind it there, in a steady state as many as it finds queued ahead. So
+   the weight is the requests queued per replica: the fleet's queued tokens
+   per replica over a request's uncached tokens (a moving mean of this
+   gateway's requests); deep queues make a cache miss dear. ``work_weight``
+   is its floor (near idle a cache miss is still paid again by the turns that
    follow, and a queue drains by itself).
 3. The minimum wins; ties go to the template's replica, else by rendezvous
    order on the request's first block that not every candidate holds (a
@@ -442,16 +442,16 @@ class Router:
     def _work_weight(self, candidates: list[ReplicaState]) -> float:
         """How much this request's own uncached token weighs against a queued one.
 
-        Its work delays itself, and every request that will queue behind it:
-        as many, in a steady state, as it finds queued ahead of it, which is
-        the fleet's queued tokens per replica over a request's uncached tokens
-        (a moving mean of this gateway's). Near idle few do, and
-        ``work_weight`` (a miss is paid again by the turns that follow) holds.
+        Its work delays every request that will queue behind it: as many, in
+        a steady state, as it finds queued ahead of it, which is the fleet's
+        queued tokens per replica over a request's uncached tokens (a moving
+        mean of this gateway's). Near idle few do, and ``work_weight`` (a miss
+        is paid again by the turns that follow) holds.
         """
         if self._mean_work <= 0:
             return self.config.work_weight
         queued = sum(r.rate[0] + r.uncovered for r in candidates) / len(candidates)
-        return max(self.config.work_weight, 1.0 + queued / self._mean_work)
+        return max(self.config.work_weight, queued / self._mean_work)
 
     def _rate(self, load: Load | None) -> tuple[tuple[int, float, float, int], bool]:
         """The estimate's terms from a report, and whether its rate was measured."""
