@@ -7,6 +7,7 @@ The module fixture converts the bundled GGUF into the default cache dir, so the
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -136,6 +137,21 @@ def test_marker_of_another_source_version_is_stale(tmp_path):
     folder.mkdir(parents=True)
     (folder / ".complete").write_text(f"m.gguf {source.stat().st_size + 1} 0")
     assert not _is_complete(folder, source)
+
+
+def test_another_install_of_the_same_file_shares_the_conversion(tmp_path):
+    # Two virtualenvs hold the same GGUF with different install times.
+    source = _write_garbage_gguf(tmp_path / "m.gguf")
+    folder = tmp_path / "cache" / "m"
+    folder.mkdir(parents=True)
+    (folder / ".complete").write_text(model_store._source_stamp(source))
+    other = tmp_path / "venv2"
+    other.mkdir()
+    copy = Path(shutil.copy(source, other / "m.gguf"))
+    os.utime(copy, (1_000_000, 1_000_000))
+    assert _is_complete(folder, copy)
+    copy.write_bytes(source.read_bytes()[::-1])  # same name and size, other content
+    assert not _is_complete(folder, copy)
 
 
 def test_complete_gguf_conversion_is_returned_without_converting(tmp_path):
