@@ -106,7 +106,7 @@ class KVCacheManager:
         num_tokens = len(request.token_ids)
         hashes = request.block_hashes
         cached = self.match_tiers(hashes)
-        hits = [c for c in cached if isinstance(c, Block)]
+        hits = cached if self.host is None else [c for c in cached if isinstance(c, Block)]
         num_host_hits = len(cached) - len(hits)
         if len(cached) < len(hashes) and hashes[len(cached)] in self.inflight:
             return DEFERRED
@@ -117,7 +117,7 @@ class KVCacheManager:
             return None
         blocks_needed = max(0, self._blocks_for(first + num_new) - len(hits))
         # A free cached block that we hit leaves the free queue too.
-        num_hits_free = sum(1 for block in hits if block.ref_cnt == 0)
+        num_hits_free = len([block for block in hits if block.ref_cnt == 0])
         if blocks_needed + num_hits_free > self.pool.num_free:
             return None
         self.pool.touch(hits)
@@ -129,8 +129,8 @@ class KVCacheManager:
         request.num_scheduled_tokens = first + num_new
         request.num_indexed_blocks = len(cached)
         inflight = self.inflight
-        for block_hash in hashes[len(cached) :]:
-            inflight.setdefault(block_hash, request)
+        unclaimed = [h for h in hashes[len(cached) :] if h not in inflight]  # the first claimant keeps a block
+        inflight.update(dict.fromkeys(unclaimed, request))
         host_tokens = num_host_hits * self.block_size
         self.query_tokens += num_tokens
         self.hit_tokens += num_cached
@@ -281,9 +281,9 @@ class KVCacheManager:
     def _forget_inflight(self, request: Request, block_hashes: Sequence[bytes]) -> None:
         inflight = self.inflight
         if inflight:
-            for block_hash in block_hashes:
-                if inflight.get(block_hash) is request:
-                    del inflight[block_hash]
+            claimant = inflight.get
+            for block_hash in [h for h in block_hashes if claimant(h) is request]:
+                del inflight[block_hash]
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
