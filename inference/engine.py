@@ -355,7 +355,7 @@ class Engine:
         """Ends every request with an error, never with wrong tokens."""
         log.error("lost the KV-cache daemon; failing in-flight requests", extra={"error": message})
         self._drain_inbox()
-        self._forward = None
+        self._settle_forward()
         for seq in self.requests.drop_all():
             if seq.finish not in (None, Finish.ERROR):
                 # It has all its tokens; only its free was pending, and the
@@ -369,7 +369,18 @@ class Engine:
         self._close_session()
         self._on_health(False)
 
+    def _settle_forward(self) -> None:
+        """Drops the forward in flight once its writes landed: the daemon
+        hands a detached session's blocks to others at once."""
+        forward, self._forward = self._forward, None
+        if forward is not None and self.runner is not None:
+            try:
+                self.runner.wait_for_writes()
+            except Exception:  # a broken device writes nothing more either
+                log.exception("waiting for the last forward failed")
+
     def _close_session(self) -> None:
+        self._settle_forward()
         session, self.session, self.runner = self.session, None, None
         if session is not None:
             with contextlib.suppress(grpc.RpcError):  # the daemon is gone; its lease lapses

@@ -18,7 +18,11 @@ slot for the token that forward samples for it. When the pool cannot serve
 a running request, the last request in schedule order (lowest priority,
 newest) is preempted (its blocks freed; it waits again and is recomputed
 later) until the request fits or was itself preempted. A step that had to
-preempt admits nobody: there is no room.
+preempt admits nobody: there is no room. With a forward in flight, a
+victim's blocks that forward may be writing are fenced, not freed (see
+``kvd.session``): they make room for this session's requests at once (its
+next forward runs after the one in flight) and for others' from its next
+Step on.
 """
 
 from __future__ import annotations
@@ -116,7 +120,7 @@ def _schedule_running(
             continue
         num_tokens = min(wanted, budget)
         first = request.num_scheduled_tokens
-        new_blocks = manager.append(request, num_tokens)
+        new_blocks = manager.append(request, num_tokens, session.fenced)
         if new_blocks is None:
             new_blocks = _preempt_until_fits(manager, session, request, num_tokens, preempted)
             if new_blocks is None:
@@ -141,7 +145,7 @@ def _preempt_until_fits(
         preempted.append(victim.request_id)
         if victim is request:
             return None
-        new_blocks = manager.append(request, num_tokens)
+        new_blocks = manager.append(request, num_tokens, session.fenced)
         if new_blocks is not None:
             return new_blocks
 
@@ -152,7 +156,7 @@ def _admit(manager: KVCacheManager, session: Session, budget: int, rows: list[_R
     for request in list(session.waiting):
         if room <= 0 or budget <= 0:
             return
-        admitted = manager.admit(request, budget)
+        admitted = manager.admit(request, budget, session.fenced)
         if admitted is DEFERRED:  # waits for another request's blocks; the next in line may go
             deferred += 1
             if deferred >= ADMISSION_LOOKAHEAD:

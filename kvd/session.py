@@ -6,6 +6,24 @@ blocks, may go back to waiting when preempted, and is released when the
 engine reports it finished. ``Session.apply`` takes a Step's reports (new
 requests, commits, finished requests) after checking all of them: a bad Step
 changes nothing.
+
+The fence. A Step that says ``forward_in_flight`` was sent while the engine's
+last forward may still be writing into the blocks of the requests it
+computes. A request given up in that Step (preempted, finished, cancelled)
+must not see those blocks go to another session (another engine, whose
+forwards run concurrently) before that forward is done: its blocks without a
+hash (the only ones a forward writes) stay held by the session's fence. The
+session's own requests may take them in the same Step: the engine launches
+its next forward only after it read the one in flight. The engine sends its
+next Step after that too, so the session's next Step lifts the fence
+(whatever that Step's own flag). A session that ends (detach, or a lapsed
+lease) lifts it at once: an engine detaches after its last forward, and
+writes nothing once its lease may have lapsed.
+
+    Step k (forward k-1 in flight)          Step k+1
+      preempt r: r's blocks without a hash    what is left of the fence goes
+      are fenced (hashed ones are released);  back to the pool, then this
+      this session may reuse them at once     Step's own give-ups are fenced
 """
 
 from __future__ import annotations
@@ -18,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 
+from kvd.block import Block
 from kvd.cache_manager import KVCacheManager
 from kvd.errors import NotFoundError
 from kvd.hashing import token_bytes
@@ -62,6 +81,10 @@ class Session:
             (priority, then arrival).
         steps: how many Steps the session has sent.
         starved: its last Step left a waiting request out for want of blocks.
+        forward_in_flight: the current Step was sent while a forward ran.
+        fenced: blocks the session gave up while a forward of its engine ran,
+            each holding one reference until its own requests take them or
+            the session's next Step (see the module's docstring).
     """
 
     session_id: str
@@ -76,6 +99,8 @@ class Session:
     steps: int = 0
     arrivals: int = 0
     starved: bool = False
+    forward_in_flight: bool = False
+    fenced: list[Block] = field(default_factory=list)
 
     def get(self, request_id: str) -> Request:
         """The request ``request_id``, running or waiting.
@@ -112,14 +137,14 @@ class Session:
 
     def preempt(self, manager: KVCacheManager, request: Request) -> None:
         """Frees a running request's blocks; it waits again, in its old place."""
-        manager.free(request)
+        self._free(manager, request)
         del self.running[request.request_id]
         self._wait(request)
 
     def release(self, manager: KVCacheManager, request: Request) -> None:
         """Frees a request's blocks (if it holds any) and forgets it."""
         if self.running.pop(request.request_id, None) is not None:
-            manager.free(request)
+            self._free(manager, request)
         else:
             del self.waiting[self._waiting_index(request)]
         del self.requests[request.request_id]
@@ -128,10 +153,23 @@ class Session:
             self.recently_freed.popitem(last=False)
 
     def release_all(self, manager: KVCacheManager) -> int:
+        """Releases every request and the fence (the session ends); returns
+        how many requests it held."""
         count = len(self.requests)
+        self.forward_in_flight = False  # an ended session's engine writes nothing more
         for request in list(self.requests.values()):
             self.release(manager, request)
+        self.lift_fence(manager)
         return count
+
+    def lift_fence(self, manager: KVCacheManager) -> None:
+        """Releases the blocks fenced by the last Step: its forward is done."""
+        if self.fenced:
+            fenced, self.fenced = self.fenced, []
+            manager.pool.release(fenced)
+
+    def _free(self, manager: KVCacheManager, request: Request) -> None:
+        manager.free(request, self.fenced if self.forward_in_flight else None)
 
     def _wait(self, request: Request) -> None:
         bisect.insort(self.waiting, request, key=_order)
@@ -151,6 +189,10 @@ class Session:
             ValueError, NotFoundError: before any change.
         """
         checked = self._check(manager, msg)
+        # NOTE: sent after the engine read the forward that was in flight at
+        # the last Step, so what that Step fenced is free to go.
+        self.lift_fence(manager)
+        self.forward_in_flight = msg.forward_in_flight
         if msg.HasField("settings"):
             self.max_num_seqs = msg.settings.max_num_seqs
             self.token_budget = msg.settings.token_budget
