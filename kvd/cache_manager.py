@@ -191,7 +191,8 @@ class KVCacheManager:
         """
         if num_tokens < 1:
             raise ValueError(f"request {request.request_id!r}: num_tokens must be >= 1, got {num_tokens}")
-        needed = self._blocks_for(request.num_scheduled_tokens + num_tokens) - len(request.blocks)
+        # NOTE: _blocks_for inlined: every running request's decode comes here, each Step.
+        needed = -(-(request.num_scheduled_tokens + num_tokens) // self.block_size) - len(request.blocks)
         new_blocks: list[Block] = []
         if needed > 0:
             allocated = self._allocate(needed, fence)
