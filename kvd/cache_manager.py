@@ -136,8 +136,8 @@ class KVCacheManager:
         request.num_scheduled_tokens = first + num_new
         request.num_indexed_blocks = len(cached)
         inflight = self.inflight
-        unclaimed = [h for h in hashes[len(cached) :] if h not in inflight]  # the first claimant keeps a block
-        inflight.update(dict.fromkeys(unclaimed, request))
+        for block_hash in hashes[len(cached) :]:
+            inflight.setdefault(block_hash, request)
         host_tokens = num_host_hits * self.block_size
         self.query_tokens += num_tokens
         self.hit_tokens += num_cached
@@ -317,9 +317,9 @@ class KVCacheManager:
     def _forget_inflight(self, request: Request, block_hashes: Sequence[bytes]) -> None:
         inflight = self.inflight
         if inflight:
-            claimant = inflight.get
-            for block_hash in [h for h in block_hashes if claimant(h) is request]:
-                del inflight[block_hash]
+            for block_hash in block_hashes:
+                if inflight.get(block_hash) is request:
+                    del inflight[block_hash]
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
