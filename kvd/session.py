@@ -53,13 +53,10 @@ DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_TOKEN_BUDGET = 512
 
 
-@dataclass(slots=True)
-class Commit:
-    """One request's entry of a Step's commits."""
-
-    request: Request
-    num_computed_tokens: int
-    new_token_ids: Sequence[int]
+#: One request's entry of a Step's commits: (request, num_computed_tokens,
+#: new_token_ids). NOTE: a tuple, not a class: a decode Step makes one per
+#: running request, and a class's __init__ call costs more than the commit.
+Commit = tuple[Request, int, Sequence[int]]
 
 
 @dataclass(slots=True)
@@ -200,12 +197,11 @@ class Session:
         for request in checked.arrivals:
             self.enqueue(request)
         running, apply_commit = self.running, manager.apply_commit
-        for commit in checked.commits:
-            request = commit.request
+        for request, num_computed, new_token_ids in checked.commits:
             if request.request_id in running:
-                apply_commit(request, commit.num_computed_tokens, commit.new_token_ids)
+                apply_commit(request, num_computed, new_token_ids)
             else:  # preempted while its forward ran: its tokens still count
-                request.token_ids.extend(commit.new_token_ids)
+                request.token_ids.extend(new_token_ids)
         for request in checked.finished:
             self.release(manager, request)
         return [r.request_id for r in checked.finished]
@@ -242,7 +238,7 @@ class Session:
             request = requests.get(request_id) or self.get(request_id)
             if request_id in running:
                 check(request, num_computed, end - start)
-            commits.append(Commit(request, num_computed, tokens[start:end]))
+            commits.append((request, num_computed, tokens[start:end]))
         return commits
 
 
