@@ -33,9 +33,8 @@ import _common as common
 import block_pool_workloads as wl
 
 import kvd.hashing
-from inference.requests import RequestTable, Work
+from inference.requests import Finish, RequestTable, Sequence, Work
 from inference.sampling import SamplingParams
-from inference.sequence import Finish, Sequence
 from kvd.block_pool import BlockPool
 from kvd.cache_manager import KVCacheManager
 from kvd.scheduler import run_step

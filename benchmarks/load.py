@@ -16,8 +16,11 @@ requests back to back until the time is up, each request drawn at random:
 
 Statuses other than OK, CANCELLED and DEADLINE_EXCEEDED are errors (the
 script exits 1 on any). Resident memory of each process is read after the
-warm-up (the first 20% of the run, at least 10 s) and at the end. After the
-run: the blocks requests still hold in each tier (pins excluded) must be 0.
+warm-up (the first 20% of the run, at least 10 s) and at the end, and sampled
+every ``--sample-s`` seconds (``memory_series``: RSS, and RSS less the shared
+KV cache, per process; the host tier's used slots), so a levelling off or a
+steady climb shows. After the run: the blocks requests still hold in each tier
+(pins excluded) must be 0.
 
 This is a soak, not a timed test: the figures depend on the machine (report
 them with its load). ``--quick``: 30 seconds, 16 clients.
@@ -57,6 +60,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=16, help="the most tokens a request asks for")
     p.add_argument("--workdir", help="keep the processes' logs here (default: a temporary folder)")
     p.add_argument("--seed", type=int, default=11)
+    p.add_argument("--sample-s", type=float, default=5.0, help="seconds between memory samples")
     p.add_argument("--model", default="smollm2")
     return p.parse_args(argv)
 
@@ -128,10 +132,11 @@ def client_loop(n: int, address: str, keys: dict[str, str], args, stop: threadin
 def memory_mb(pids: dict[str, int]) -> dict[str, dict[str, float]]:
     """Resident and unique memory of each process, in MiB.
 
-    NOTE: RSS counts the pages of the shared-memory KV cache a process has
-    touched so far (the daemon and the engine map it), and the daemon's host
-    tier as it fills: both grow with first use, not with leaks. USS (pages
-    only this process maps) leaves the shared cache out.
+    NOTE: RSS counts the pages of the shared-memory KV cache a process maps
+    (the daemon and the engine both map all of it from the start, as the
+    daemon does its host tier: kvd/memory.py, kvd/offload.py), so it is fixed
+    after start unless something leaks. USS (pages only this process maps)
+    moves as pages of the shared cache become or stop being shared.
     """
     import psutil
 
@@ -144,6 +149,20 @@ def memory_mb(pids: dict[str, int]) -> dict[str, dict[str, float]]:
         cache = sum(m.rss for m in process.memory_maps(grouped=True) if m.path.endswith(".kv"))
         out[name] = {"rss": info.rss / 2**20, "uss": info.uss / 2**20, "rss_without_cache": (info.rss - cache) / 2**20}
     return out
+
+
+def memory_sample(pids: dict[str, int], daemon_address: str, elapsed: float) -> dict[str, Any]:
+    """One point of the memory time series: RSS and RSS less the shared KV
+    cache per process (MiB), and the host tier's used slots."""
+    from kvd.client import DaemonClient
+
+    sample: dict[str, Any] = {"t_s": round(elapsed, 1)}
+    for name, mb in memory_mb(pids).items():
+        sample[name] = {"rss": round(mb["rss"], 1), "rss_without_cache": round(mb["rss_without_cache"], 1)}
+    with DaemonClient.connect(daemon_address) as client:
+        stats = client.stats()
+    sample["host_slots_used"] = stats.num_host_blocks - stats.num_host_free_blocks
+    return sample
 
 
 def held_blocks(daemon_address: str) -> dict[str, int]:
@@ -198,10 +217,13 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             thread.start()
         progress = common.Progress(f"load: {clients} clients for {duration:.0f}s", int(duration))
         rss_warm = None
+        series = [memory_sample(pids, kvd.address, 0.0)]
         while (elapsed := time.perf_counter() - start) < duration:
             time.sleep(1.0)
             if rss_warm is None and elapsed >= warmup:
                 rss_warm = memory_mb(pids)
+            if elapsed - series[-1]["t_s"] >= args.sample_s:
+                series.append(memory_sample(pids, kvd.address, elapsed))
             progress.advance()
         stop.set()
         for thread in threads:
@@ -210,6 +232,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         progress.done(f"{sum(tally.statuses.values())} requests")
         held = held_blocks(kvd.address)
         rss_end = memory_mb(pids)
+        series.append(memory_sample(pids, kvd.address, time.perf_counter() - start))
     rss_warm = rss_warm or rss_end
     errors = {code: n for code, n in tally.statuses.items() if code != "OK"}
     soak = {
@@ -225,6 +248,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "blocks_held_after": held,
         "memory_warm_mb": rss_warm,
         "memory_end_mb": rss_end,
+        "memory_series": series,
         "rss_growth_ratio": {name: rss_end[name]["rss"] / rss_warm[name]["rss"] - 1 for name in rss_end},
         "uss_growth_ratio": {name: rss_end[name]["uss"] / rss_warm[name]["uss"] - 1 for name in rss_end},
         "rss_without_cache_growth_ratio": {

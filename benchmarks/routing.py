@@ -1,5 +1,5 @@
 """Routing across engine replicas: cached-token ratio and time to first token
-with prefix-affinity routing vs round-robin, and a single replica.
+with cost and prefix-affinity routing vs round-robin, and a single replica.
 
     .venv/bin/python benchmarks/routing.py --json benchmarks/results/routing.json [--quick]
 
@@ -8,7 +8,8 @@ replica whose daemon has the two replicas' pools together (the same total KV
 memory). Each variant has a gateway of its own in front of them:
 
 - ``round_robin``: the two replicas, ``--routing round-robin``;
-- ``affinity``: the two replicas, ``--routing affinity`` (the default);
+- ``affinity``: the two replicas, ``--routing affinity`` (the previous default);
+- ``cost``: the two replicas, ``--routing cost`` (the default);
 - ``single``: the single replica.
 
 Workload, the same for every variant: 8 templates of the same length,
@@ -21,8 +22,11 @@ evicts cold templates' copies; the single replica, with twice the blocks,
 holds all of them.
 
 The variants run one after another on the same processes (cache state makes
-interleaving them meaningless); between two, the templates are deleted and
-the daemons reset, so each starts from empty caches.
+interleaving requests meaningless); between two, the templates are deleted and
+the daemons reset, so each starts from empty caches. With ``--rounds 2`` (the
+default) the order runs forward then backward, so a drift in the machine's
+speed (other work on a shared box) weighs on every variant alike; each
+variant's figures are the medians over its rounds.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight")
     p.add_argument("--zipf-s", type=float, default=1.0, help="the Zipf exponent of template popularity")
     p.add_argument("--seed", type=int, default=11)
+    p.add_argument("--rounds", type=int, default=2, help="runs of every variant, in alternating order")
     p.add_argument("--model", default="smollm2")
     return p.parse_args(argv)
 
@@ -87,11 +92,10 @@ def one_request(client, template: str, text: str, max_new_tokens: int) -> tuple[
     return usage.prompt_tokens, usage.cached_prompt_tokens, ttft
 
 
-def run_variant(name, engines, gateway_args, workdir, templates, requests, args) -> dict[str, Any]:
+def run_variant(folder: Path, engines, gateway_args, templates, requests, args) -> dict[str, Any]:
     """One gateway in front of ``engines``: create the templates, run the requests, delete them."""
     from gateway.client import GatewayClient
 
-    folder = workdir / name
     folder.mkdir()
     with (
         common.GatewayProcess(folder, ",".join(engines), gateway_args) as gateway,
@@ -104,7 +108,7 @@ def run_variant(name, engines, gateway_args, workdir, templates, requests, args)
         for i, text in enumerate(templates):
             client.create_template(f"tpl-{i}", text)
         placed = {r.address: r.templates for r in client.info().replicas}
-        progress = common.Progress(f"routing: {name}", len(requests))
+        progress = common.Progress(f"routing: {folder.name}", len(requests))
 
         def send(item: tuple[int, str]):
             out = one_request(client, f"tpl-{item[0]}", item[1], args.max_new_tokens)
@@ -128,6 +132,15 @@ def run_variant(name, engines, gateway_args, workdir, templates, requests, args)
     }
 
 
+def median_run(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """A variant's rounds as one: the median of each figure, every round's TTFT and hit ratio kept."""
+    out = dict(rows[-1])
+    for k in ("cached_token_ratio", "ttft_mean_s", "ttft_p90_s", "wall_s"):
+        out[k] = statistics.median(r[k] for r in rows)
+    out["rounds"] = [{"cached_token_ratio": r["cached_token_ratio"], "ttft_mean_s": r["ttft_mean_s"]} for r in rows]
+    return out
+
+
 def reset(daemons) -> None:
     from kvd.client import DaemonClient
     from kvd_api.daemon.v1 import daemon_pb2 as dpb
@@ -137,27 +150,22 @@ def reset(daemons) -> None:
             client.stub.Reset(dpb.ResetRequest())
 
 
-def routing_overhead(engine_address: str, tokenizer, rng: random.Random) -> dict[str, float]:
-    """What affinity adds to a plain-text request: a Tokenize round trip to a
-    replica, and hashing the prompt's blocks (medians over 50, 300-token prompts)."""
-    import grpc
-
+def routing_overhead(tokenizer, rng: random.Random) -> dict[str, float]:
+    """What cost or affinity routing adds to a plain-text request in the
+    gateway: tokenizing it (the gateway's own tokenizer, no round trip) and
+    hashing its blocks (medians over 50, 300-token prompts)."""
     from kvd.hashing import chain_block_hashes, encode_extra_keys
-    from kvd_api.engine.v1 import engine_pb2 as epb
-    from kvd_api.engine.v1 import engine_pb2_grpc as epb_grpc
 
     texts = [words(rng, tokenizer, 300) for _ in range(50)]
     tokenize_s, hash_s = [], []
-    with grpc.insecure_channel(engine_address) as channel:
-        stub = epb_grpc.EngineStub(channel)
-        for text in texts:
-            start = time.perf_counter()
-            ids = list(stub.Tokenize(epb.TokenizeRequest(text=text)).token_ids)
-            tokenize_s.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            chain_block_hashes(ids, BLOCK, encode_extra_keys(b"tenant-salt-0123"))
-            hash_s.append(time.perf_counter() - start)
-    return {"tokenize_rpc_ms": 1e3 * statistics.median(tokenize_s), "hash_blocks_ms": 1e3 * statistics.median(hash_s)}
+    for text in texts:
+        start = time.perf_counter()
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        tokenize_s.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        chain_block_hashes(ids, BLOCK, encode_extra_keys(b"tenant-salt-0123"))
+        hash_s.append(time.perf_counter() - start)
+    return {"tokenize_ms": 1e3 * statistics.median(tokenize_s), "hash_blocks_ms": 1e3 * statistics.median(hash_s)}
 
 
 def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -183,7 +191,6 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         return common.KvdProcess(workdir, flags, name=name)
 
     engine_args = ["--model", str(model_dir)]
-    results: dict[str, Any] = {}
     with (
         daemon("kvd-a", per_replica) as kvd_a,
         daemon("kvd-b", per_replica) as kvd_b,
@@ -193,14 +200,20 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         common.EngineProcess(workdir, kvd_s.address, engine_args, name="engine-single") as engine_s,
     ):
         pair = [engine_a.address, engine_b.address]
-        for name, engines, gateway_args in (
+        variants = [
             ("round_robin", pair, ["--routing", "round-robin"]),
             ("affinity", pair, ["--routing", "affinity"]),
+            ("cost", pair, ["--routing", "cost"]),
             ("single", [engine_s.address], []),
-        ):
-            results[name] = run_variant(name, engines, gateway_args, workdir, templates, requests, args)
-            reset([kvd_a, kvd_b, kvd_s])
-        results["affinity"].update(routing_overhead(engine_a.address, tokenizer, rng))
+        ]
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in variants}
+        for turn in range(args.rounds):
+            for name, engines, gateway_args in variants if turn % 2 == 0 else variants[::-1]:
+                folder = workdir / f"{name}-{turn}"
+                runs[name].append(run_variant(folder, engines, gateway_args, templates, requests, args))
+                reset([kvd_a, kvd_b, kvd_s])
+        results = {name: median_run(rows) for name, rows in runs.items()}
+        results["routing_overhead"] = routing_overhead(tokenizer, rng)
     counts = [choices.count(i) for i in range(args.templates)]
     workload = {
         "replicas": 2,
@@ -224,7 +237,9 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             "templates plus its requests' blocks, so a round-robin split, which wants every template on both "
             "replicas, evicts the cold templates' copies; the single replica has both pools' blocks"
         ),
-        "order": "round_robin, affinity, single; templates deleted and daemons reset between variants",
+        "rounds": args.rounds,
+        "order": "round_robin, affinity, cost, single, then backward, alternating by round; templates deleted "
+        "and daemons reset between variants; figures are medians over the rounds",
         "ttft": "client-side, to the first message with tokens, through the gateway",
     }
     return {"workload": workload, "results": results}
@@ -242,6 +257,12 @@ def main(argv: list[str] | None = None) -> int:
         "affinity_over_round_robin_ttft": common.ratio(
             results["affinity"]["ttft_mean_s"], results["round_robin"]["ttft_mean_s"]
         ),
+        "cost_over_single_hit": common.ratio(
+            results["cost"]["cached_token_ratio"], results["single"]["cached_token_ratio"]
+        ),
+        "cost_over_round_robin_ttft": common.ratio(
+            results["cost"]["ttft_mean_s"], results["round_robin"]["ttft_mean_s"]
+        ),
         "round_robin_over_single_hit": common.ratio(
             results["round_robin"]["cached_token_ratio"], results["single"]["cached_token_ratio"]
         ),
@@ -249,15 +270,18 @@ def main(argv: list[str] | None = None) -> int:
     rows = [
         [v, r["requests"], r["cached_token_ratio"], r["ttft_mean_s"], r["ttft_p90_s"], r["wall_s"]]
         for v, r in results.items()
+        if v != "routing_overhead"
     ]
     print(common.format_table(["variant", "requests", "cached", "ttft mean s", "ttft p90 s", "wall s"], rows))
-    hit, ttft = ratios["affinity_over_single_hit"], ratios["affinity_over_round_robin_ttft"]
-    print(
-        f"affinity keeps {hit:.1%} of the single replica's cached-token ratio (target >= 90%); "
-        f"its mean TTFT is {ttft:.2f}x round-robin's (target < 1)"
-    )
-    print(f"affinity's routing overhead on a plain-text prompt: tokenize {results['affinity']['tokenize_rpc_ms']:.2f}"
-          f" ms, hash {results['affinity']['hash_blocks_ms']:.3f} ms")  # fmt: skip
+    for policy in ("affinity", "cost"):
+        hit, ttft = ratios[f"{policy}_over_single_hit"], ratios[f"{policy}_over_round_robin_ttft"]
+        print(
+            f"{policy} keeps {hit:.1%} of the single replica's cached-token ratio (target >= 90%); "
+            f"its mean TTFT is {ttft:.2f}x round-robin's (target < 1)"
+        )
+    overhead = results["routing_overhead"]
+    print(f"routing overhead on a plain-text prompt in the gateway: tokenize {overhead['tokenize_ms']:.2f}"
+          f" ms, hash {overhead['hash_blocks_ms']:.3f} ms")  # fmt: skip
     common.write_json(
         args.json,
         {

@@ -5,6 +5,11 @@ whose daemon announced it stored in that tier, so a fleet of replicas sharing
 a block (a common system prompt) costs one entry, not one per replica, and a
 lookup searches the request's blocks once for every replica together.
 
+Beside the tiers, the blocks *promised* to a replica: those of requests sent
+there whose prefill has not ended. A request queued behind them finds them
+cached when its own prefill starts (a conversation's next turn that comes
+before its previous one is prefilled), though no daemon has announced them yet.
+
 Keys are the first 8 bytes of the daemon's 32-byte chained hash: a collision
 (about 2^-64 per pair) could only make the router believe a block is cached
 where it is not, which costs a worse choice, never a wrong answer (the daemon
@@ -30,6 +35,8 @@ class BlockIndex:
         self._tiers: tuple[dict[bytes, int], ...] = tuple({} for _ in TIERS)
         self._bits: dict[int, int] = {}  # one-bit mask -> its shared int object
         self._counts: dict[tuple[int, int], int] = {}  # (slot, tier) -> blocks known
+        self._promised: dict[bytes, int] = {}  # key -> the slots it is promised to
+        self._promises: dict[tuple[bytes, int], int] = {}  # (key, slot) -> requests promising it
 
     # ------------------------------------------------------------ updates
 
@@ -59,6 +66,28 @@ class BlockIndex:
                 gone += 1
         self._counts[slot, tier] = self._counts.get((slot, tier), 0) - gone
 
+    def promise(self, slot: int, keys: Iterable[bytes]) -> None:
+        """Blocks (``index_keys``) a request sent to ``slot`` will store there."""
+        bit = self._bit(slot)
+        for key in keys:
+            n = self._promises.get((key, slot), 0)
+            self._promises[key, slot] = n + 1
+            if not n:
+                self._promised[key] = self._promised.get(key, 0) | bit
+
+    def unpromise(self, slot: int, keys: Iterable[bytes]) -> None:
+        """That request's prefill ended (its blocks are stored, or it failed)."""
+        bit = self._bit(slot)
+        for key in keys:
+            n = self._promises.pop((key, slot), 0)
+            if n > 1:
+                self._promises[key, slot] = n - 1
+            elif n == 1 and (rest := self._promised.pop(key, 0) & ~bit):
+                self._promised[key] = rest
+
+    def num_promised(self) -> int:
+        return len(self._promises)
+
     def clear(self, slot: int) -> None:
         """Forgets every block of ``slot`` (a scan of the index: rare, on a
         cache reset, a lost event stream or a replica leaving)."""
@@ -86,7 +115,7 @@ class BlockIndex:
 
     def run_lengths(self, keys: Sequence[bytes], among: int) -> dict[int, int]:
         """slot -> how many of the leading blocks ``keys`` (``index_keys``) it
-        holds in any tier, for the slots of ``among`` that hold the first.
+        holds in any tier or is promised, for the slots of ``among`` that hold the first.
 
         A replica is taken to hold every block before one it holds: a daemon
         evicts a prompt's blocks from its tail, and a parent's hash is only
@@ -120,7 +149,8 @@ class BlockIndex:
 
     def _held(self, key: bytes) -> int:
         device, host = self._tiers
-        return device.get(key, 0) | host.get(key, 0) if host else device.get(key, 0)
+        mask = device.get(key, 0) | host.get(key, 0) if host else device.get(key, 0)
+        return mask | self._promised.get(key, 0) if self._promised else mask
 
     def _bit(self, slot: int) -> int:
         bit = 1 << slot

@@ -85,8 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--route-work-weight",
         type=float,
         default=float(env_default("KVD_ROUTE_WORK_WEIGHT", 4.0)),
-        help="cost routing: how much more the request's own uncached tokens weigh than work queued on a replica"
-        " (1: the plain TTFT estimate; more keeps conversations on their replica) (KVD_ROUTE_WORK_WEIGHT)",
+        help="cost routing: the least the request's own uncached tokens weigh against work queued on a replica"
+        " (1: the plain TTFT estimate; more keeps conversations on their replica; long queues fleet-wide raise"
+        " it) (KVD_ROUTE_WORK_WEIGHT)",
     )
     p.add_argument(
         "--route-load-factor",

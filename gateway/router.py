@@ -5,16 +5,24 @@ gRPC health is SERVING:
 
 1. The blocks each replica already holds: the longest run of the prompt's
    leading block hashes its daemon announced (in any tier), found by one walk
-   over the request's blocks for every replica together (``BlockIndex``); a
-   templated request's template counts as held where it is pinned (the keeper
-   places it, see ``place``), else on the first replica of its rendezvous order.
+   over the request's blocks for every replica together (``BlockIndex``), and
+   the blocks this gateway's requests sent there will store once their
+   prefill ends (a conversation's next turn may come before that: queued
+   behind its previous turn, it finds them cached); a templated request's
+   template counts as held where it is pinned (the keeper places it, see
+   ``place``), else on the first replica of its rendezvous order.
 2. The time to first token each replica would give it: the prefill work queued
    there (the uncached prompt tokens of its waiting and prefilling requests, as
    its engine last reported them, plus this gateway's requests sent since) and
    this request's own uncached tokens, over the replica's measured prefill rate
    (a fixed time per forward plus a time per token). The request's own tokens
-   weigh ``work_weight`` times queued ones: a cache miss is paid again by the
-   turns that follow, a queue drains by itself.
+   weigh more than queued ones: they delay every request that will queue
+   behind it there, in a steady state as many as it finds queued ahead. So
+   the weight is the requests queued per replica: the fleet's queued tokens
+   per replica over a request's uncached tokens (a moving mean of this
+   gateway's requests); deep queues make a cache miss dear. ``work_weight``
+   is its floor (near idle a cache miss is still paid again by the turns that
+   follow, and a queue drains by itself).
 3. The minimum wins; ties go to the template's replica, else by rendezvous
    order on the request's first block that not every candidate holds (a
    common system prompt says nothing: the conversation's own first block
@@ -48,6 +56,10 @@ POLICIES = ("cost", "affinity", "round-robin")
 #: A block event as the router takes it: (kind, block hashes, tier), kind
 #: one of "stored", "removed", "cleared".
 Event = tuple[str, Sequence[bytes], int]
+
+
+#: the weight of a request sent in the moving mean of requests' uncached tokens
+_WORK_EWMA = 0.01
 
 
 class NoReplica(LookupError):
@@ -103,10 +115,12 @@ class Load:
 
 @dataclass(frozen=True)
 class Route:
-    """A choice: where, and the prompt tokens that replica will have to compute."""
+    """A choice: where, the prompt tokens that replica will have to compute,
+    and the index keys of the blocks it will store there (those it lacks)."""
 
     address: str
     uncached_tokens: int
+    new_keys: tuple[bytes, ...] = field(default=(), compare=False, repr=False)
 
 
 @dataclass(slots=True)
@@ -117,8 +131,9 @@ class ReplicaState:
     in_flight: int = 0
     load: Load | None = None
     load_at: float = -math.inf  # when the last report arrived
-    #: this gateway's requests not yet past their first token: ticket -> (sent at, uncached tokens)
-    pending: dict[int, tuple[float, int]] = field(default_factory=dict)
+    #: this gateway's requests not yet past their first token: ticket ->
+    #: (sent at, uncached tokens, the index keys of the blocks it will store)
+    pending: dict[int, tuple[float, int, tuple[bytes, ...]]] = field(default_factory=dict)
     #: of those, the tokens sent after what the last load report covers
     uncovered: int = 0
     #: (reported queued tokens, forward_s, token_s, token budget): the estimate's terms
@@ -130,12 +145,16 @@ class ReplicaState:
 
     def recount(self, lag_s: float) -> None:
         covered = self.covered_before(lag_s)
-        self.uncovered = sum(tokens for sent, tokens in self.pending.values() if sent > covered)
+        self.uncovered = sum(tokens for sent, tokens, _ in self.pending.values() if sent > covered)
 
-    def drop(self, ticket: int | None, lag_s: float) -> None:
+    def drop(self, ticket: int | None, lag_s: float) -> tuple[bytes, ...]:
+        """Forgets a pending request; returns the keys it promised."""
         entry = self.pending.pop(ticket, None)
-        if entry is not None and entry[0] > self.covered_before(lag_s):
+        if entry is None:
+            return ()
+        if entry[0] > self.covered_before(lag_s):
             self.uncovered -= entry[1]
+        return entry[2]
 
 
 @dataclass(frozen=True)
@@ -156,8 +175,9 @@ class RouterConfig:
     policy: "cost", "affinity" or "round-robin".
     load_factor: how far above the mean load an affinity target may go.
     load_slack: requests a target may take above ``load_factor * mean``.
-    work_weight: how much more a request's own uncached token weighs than a
-        queued one (cost policy; 1: the plain TTFT estimate).
+    work_weight: the least a request's own uncached token weighs against a
+        queued one (cost policy; 1: the plain TTFT estimate); it weighs more
+        while the fleet's queues are long (see ``Router._work_weight``).
     report_lag_s: a load report covers this gateway's requests sent at least
         this long before it arrived (the engine reports on change).
     forward_s, token_s, token_budget: the prefill rate assumed for a replica
@@ -217,6 +237,7 @@ class Router:
         self._candidates: list[ReplicaState] | None = None  # the serving ones by address, until that changes
         self._among: int | None = None  # their slots' bits
         self._lock = threading.Lock()
+        self._mean_work = 0.0  # uncached tokens of a request sent, a moving mean (0: none yet)
 
     # ----------------------------------------------------------- replicas
 
@@ -225,7 +246,10 @@ class Router:
         wanted = set(addresses)
         with self._lock:
             for address in self._replicas.keys() - wanted:
-                self._index.clear(self._replicas.pop(address).slot)
+                gone = self._replicas.pop(address)
+                self._index.clear(gone.slot)
+                for _, _, promised in gone.pending.values():
+                    self._index.unpromise(gone.slot, promised)
             used = {r.slot for r in self._replicas.values()}
             free = (s for s in itertools.count() if s not in used)
             for address in sorted(wanted - self._replicas.keys()):
@@ -335,29 +359,37 @@ class Router:
                 target = self._affinity(key, candidates, held)
             else:
                 target = self._cheapest(key, candidates, held)
-            return Route(target.address, _uncached(key, held.get(target.slot, 0)))
+            run = held.get(target.slot, 0)
+            return Route(target.address, _uncached(key, run), key.keys[run:])
 
-    def started(self, address: str, uncached_tokens: int = 0) -> int:
-        """Counts a request sent to ``address``; returns its ticket for ``prefilled`` and ``finished``."""
+    def started(self, address: str, uncached_tokens: int = 0, new_keys: Sequence[bytes] = ()) -> int:
+        """Counts a request sent to ``address``; returns its ticket for ``prefilled`` and ``finished``.
+
+        Args:
+            uncached_tokens, new_keys: its ``Route``'s: the prefill work it
+                queues there, and the blocks it promises (see ``BlockIndex.promise``).
+        """
         ticket = next(self._tickets)
         with self._lock:
             if (replica := self._replicas.get(address)) is not None:
                 replica.in_flight += 1
-                replica.pending[ticket] = (self._clock(), uncached_tokens)
+                replica.pending[ticket] = (self._clock(), uncached_tokens, tuple(new_keys))
                 replica.uncovered += uncached_tokens
+                self._mean_work += (uncached_tokens - self._mean_work) * (_WORK_EWMA if self._mean_work else 1.0)
+                self._index.promise(replica.slot, new_keys)
         return ticket
 
     def prefilled(self, address: str, ticket: int) -> None:
         """The request's first token came: its prefill no longer waits there."""
         with self._lock:
             if (replica := self._replicas.get(address)) is not None:
-                replica.drop(ticket, self.config.report_lag_s)
+                self._index.unpromise(replica.slot, replica.drop(ticket, self.config.report_lag_s))
 
     def finished(self, address: str, ticket: int | None = None) -> None:
         with self._lock:
             if (replica := self._replicas.get(address)) is not None:
                 replica.in_flight = max(0, replica.in_flight - 1)
-                replica.drop(ticket, self.config.report_lag_s)
+                self._index.unpromise(replica.slot, replica.drop(ticket, self.config.report_lag_s))
 
     # ------------------------------------------------------------ policies
 
@@ -375,7 +407,7 @@ class Router:
         """The least estimated time to first token: the prefill work queued
         there and this request's uncached tokens (weighted) over its rate."""
         tokens = max(key.num_tokens, len(key.keys) * key.block_size)
-        weight = self.config.work_weight
+        weight = self._work_weight(candidates)
         fleet = None if all(r.measured for r in candidates) else self._fleet_rate(candidates)
         # A prefix most of the fleet holds (a common system prompt) counts as
         # held everywhere: a replica that lacks it computes it once and then
@@ -406,6 +438,20 @@ class Router:
             return tied[next(self._turn) % len(tied)]
         first = rendezvous(tie_key, (r.address for r in tied))[0]
         return next(r for r in tied if r.address == first)
+
+    def _work_weight(self, candidates: list[ReplicaState]) -> float:
+        """How much this request's own uncached token weighs against a queued one.
+
+        Its work delays every request that will queue behind it: as many, in
+        a steady state, as it finds queued ahead of it, which is the fleet's
+        queued tokens per replica over a request's uncached tokens (a moving
+        mean of this gateway's). Near idle few do, and ``work_weight`` (a miss
+        is paid again by the turns that follow) holds.
+        """
+        if self._mean_work <= 0:
+            return self.config.work_weight
+        queued = sum(r.rate[0] + r.uncovered for r in candidates) / len(candidates)
+        return max(self.config.work_weight, queued / self._mean_work)
 
     def _rate(self, load: Load | None) -> tuple[tuple[int, float, float, int], bool]:
         """The estimate's terms from a report, and whether its rate was measured."""

@@ -153,7 +153,7 @@ class GatewayService(pb_grpc.GatewayServicer):
         self.slots.take(tenant)
         address = route.address
         link = self.pool.link(address)
-        ticket = self.router.started(address, route.uncached_tokens)
+        ticket = self.router.started(address, route.uncached_tokens, route.new_keys)
 
         def done() -> None:
             self.router.finished(address, ticket)

@@ -112,7 +112,7 @@ class EngineApp:
             log.warning(attention.block_size_message(self.backend, block_size) + "; using the torch backend")
             self.backend = self.info.backend = "torch"
             self.model.set_attn_implementation(attention.BACKENDS["torch"])
-        self.info.block_size = block_size
+        self.info.block_size, self.info.num_blocks = block_size, session.num_blocks
         return session
 
     def _health_changed(self, healthy: bool) -> None:

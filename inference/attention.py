@@ -16,6 +16,7 @@ The flattened batch, for three sequences::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -128,6 +129,8 @@ class AttentionMetadata:
             its whole context (plain causal).
         decode: the one-token sequences batched together (None: none are).
         looped: the sequences attended to one by one (all the others).
+        before_write: called before each layer writes K/V (the torch
+            backend); it raises to stop the forward (the engine's lease check).
     """
 
     kv_cache: torch.Tensor
@@ -142,6 +145,7 @@ class AttentionMetadata:
     decode: DecodeBatch | None = None
     looped: list[int] | None = None
     window_masks: dict = field(default_factory=dict)
+    before_write: Callable[[], None] | None = None
 
     def mask(self, i: int, window: int | None) -> torch.Tensor | None:
         """Sequence ``i``'s chunk mask for a layer with this window (built
@@ -181,6 +185,12 @@ def store_new_kv(
         raise RuntimeError("paged attention needs attn_metadata; run the model through the engine's ModelRunner")
     layer_k = meta.kv_cache[:, layer_idx, 0]
     layer_v = meta.kv_cache[:, layer_idx, 1]
+    if meta.before_write is not None:
+        # NOTE: per layer, not only per forward: a process stopped inside a
+        # forward (SIGSTOP) for longer than its lease resumes here, and must
+        # not write the rest of the forward into blocks that may be another
+        # session's by now (kvd/quarantine.py has the daemon's side).
+        meta.before_write()
     if meta.write_index.numel():
         for layer_cache, new in ((layer_k, key), (layer_v, value)):
             layer_cache[meta.write_blocks, meta.write_offsets] = new[0].transpose(0, 1)[meta.write_index]

@@ -37,9 +37,8 @@ import torch
 from inference.detokenizer import IncrementalDetokenizer
 from inference.load import LoadBoard, LoadReport, PrefillRate
 from inference.model_runner import Chunk, ModelRunner
-from inference.requests import RequestTable, Work
+from inference.requests import Finish, RequestTable, Sequence, Work
 from inference.sampling import Sampler, make_generator
-from inference.sequence import Finish, Sequence
 from kvd.client import DaemonSession, LeaseLapsed
 
 log = logging.getLogger("inference.engine")
@@ -347,6 +346,7 @@ class Engine:
         assert session.cache is not None
         self.session = session
         self.runner = self._make_runner(session.cache, session.layout.block_size)
+        self.runner.before_write = session.check_lease  # checked per layer, see inference/attention.py
         log.info("attached to the KV-cache daemon", extra={"session": session.session_id})
         self._on_health(True)
         return True
@@ -355,7 +355,7 @@ class Engine:
         """Ends every request with an error, never with wrong tokens."""
         log.error("lost the KV-cache daemon; failing in-flight requests", extra={"error": message})
         self._drain_inbox()
-        self._settle_forward()
+        self._forward = None
         for seq in self.requests.drop_all():
             if seq.finish not in (None, Finish.ERROR):
                 # It has all its tokens; only its free was pending, and the
@@ -369,19 +369,20 @@ class Engine:
         self._close_session()
         self._on_health(False)
 
-    def _settle_forward(self) -> None:
-        """Drops the forward in flight once its writes landed: the daemon
-        hands a detached session's blocks to others at once."""
-        forward, self._forward = self._forward, None
-        if forward is not None and self.runner is not None:
-            try:
-                self.runner.wait_for_writes()
-            except Exception:  # a broken device writes nothing more either
-                log.exception("waiting for the last forward failed")
-
     def _close_session(self) -> None:
-        self._settle_forward()
-        session, self.session, self.runner = self.session, None, None
-        if session is not None:
-            with contextlib.suppress(grpc.RpcError):  # the daemon is gone; its lease lapses
-                session.detach()
+        session, runner = self.session, self.runner
+        self.session, self.runner = None, None
+        if session is None:
+            return
+        # NOTE: detaching tells the daemon we no longer write: a lapsed
+        # session's blocks, quarantined until now, are handed out again. On a
+        # GPU a forward's writes may still be queued on the stream.
+        try:
+            if runner is not None:
+                runner.wait_for_writes()
+        except Exception:  # unsure our writes landed: leave the blocks to the daemon's quarantine
+            log.exception("could not wait for the last forward's writes; not detaching")
+            session.stop_heartbeats()
+            return
+        with contextlib.suppress(grpc.RpcError):  # the daemon is gone; its lease lapses
+            session.detach()

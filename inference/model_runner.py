@@ -11,7 +11,7 @@ same arrays.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -232,6 +232,10 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.table_rows = BlockTableRows()
         self.staging = StepStaging(self.device)
+        # Called before each layer's K/V writes (the torch backend): the
+        # engine's lease check. The GPU backends enqueue their writes at
+        # launch and leave this to the daemon's quarantine of lapsed sessions.
+        self.before_write: Callable[[], None] | None = None
         on_gpu = self.device.type == "cuda"
         self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if on_gpu else 0
 
@@ -280,7 +284,7 @@ class ModelRunner:
         ids, positions, logit_rows, step = self.staging.to_device(inputs, launch)
         query_start = inputs.query_start[: inputs.num_seqs + 1].tolist()
         context_lens = inputs.seq_lens[: inputs.num_seqs].tolist()
-        meta = AttentionMetadata(self.kv_cache, step, query_start, context_lens)
+        meta = AttentionMetadata(self.kv_cache, step, query_start, context_lens, before_write=self.before_write)
         if self._reads_torch_plan:
             self._plan_torch(meta, inputs)
         return ids, positions, meta, logit_rows

@@ -12,8 +12,8 @@ from pathlib import Path
 import grpc
 
 from inference.engine import Engine, EngineUnavailable
+from inference.requests import Finish, Sequence
 from inference.sampling import SamplingParams
-from inference.sequence import Finish, Sequence
 from kvd.client import DaemonClient
 from kvd.grpc_server import Server, StatusTable
 from kvd.grpc_server import build_server as build_grpc_server
@@ -38,10 +38,12 @@ class ModelInfo:
     """What the service needs to know of the model."""
 
     def __init__(self, name: str, dtype: str, device: str, backend: str, max_context: int, vocab_size: int,
-                 eos_token_ids: set[int], block_size: int, model_type: str = "") -> None:  # fmt: skip
+                 eos_token_ids: set[int], block_size: int, model_type: str = "",
+                 num_blocks: int = 0) -> None:  # fmt: skip
         self.name, self.dtype, self.device, self.backend = name, dtype, device, backend
         self.model_type = model_type
         self.max_context, self.vocab_size, self.block_size = max_context, vocab_size, block_size
+        self.num_blocks = num_blocks  # the daemon's device pool (0: not attached yet)
         self.eos_token_ids = eos_token_ids
 
 
@@ -235,6 +237,17 @@ class EngineService(pb_grpc.EngineServicer):
                 f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context "
                 f"of {self.info.max_context} tokens"
             )
+        # NOTE: a request whose blocks outnumber the whole pool would be
+        # admitted, preempted when it outgrows the pool, and admitted again,
+        # forever. One more position: the pipelined loop's speculative slot.
+        block_size, num_blocks = self.info.block_size, self.info.num_blocks
+        if num_blocks and block_size:
+            needed = -(-(prompt_len + max_new_tokens) // block_size)
+            if needed > num_blocks:
+                raise ValueError(
+                    f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) need {needed} KV blocks of "
+                    f"{block_size} tokens; the KV cache holds {num_blocks} in all"
+                )
 
 
 def _daemon_status(err: grpc.RpcError) -> tuple[grpc.StatusCode, str]:

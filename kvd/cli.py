@@ -128,6 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="release a session not heard from for this long (KVD_LEASE_S)",
     )
     cache.add_argument(
+        "--quarantine-s",
+        type=float,
+        default=float(env_default("KVD_QUARANTINE_S", 30.0)),
+        help="keep a lapsed session's blocks out of reuse this long when its engine's process "
+        "cannot be seen from here (another container or host) (KVD_QUARANTINE_S)",
+    )
+    cache.add_argument(
         "--no-prefix-caching",
         action="store_true",
         default=env_default("KVD_NO_PREFIX_CACHING", "") not in ("", "0"),
@@ -184,6 +191,7 @@ def _config_from_args(args: argparse.Namespace):
         shm_dir=args.shm_dir,
         max_pinned_fraction=args.max_pinned_fraction,
         lease_s=args.lease_s,
+        quarantine_s=args.quarantine_s,
         enable_caching=not args.no_prefix_caching,
         model_layout=layout,
         host_num_blocks=args.host_num_blocks,

@@ -18,6 +18,7 @@ from kvd import wire
 from kvd.auth import BearerToken
 from kvd.layout import CacheLayout
 from kvd.memory import map_kv_cache
+from kvd.process_identity import ProcessIdentity
 from kvd_api.daemon.v1 import daemon_pb2 as pb
 from kvd_api.daemon.v1 import daemon_pb2_grpc as pb_grpc
 
@@ -49,6 +50,12 @@ class DaemonClient:
                 layout, or the daemon speaks another Step protocol.
         """
         request = pb.AttachRequest(client_name=client_name, protocol_version=wire.PROTOCOL_VERSION)
+        # NOTE: naming this process lets the daemon hand a lapsed session's
+        # blocks out again as soon as it sees this process gone, and never
+        # while it may still be writing them (kvd/quarantine.py).
+        process = ProcessIdentity.of_this_process()
+        if process is not None:
+            request.process.CopyFrom(wire.process_to_pb(process))
         if layout is not None:
             request.layout.CopyFrom(wire.layout_to_pb(layout))
             request.layout.block_size = 0  # the daemon's setting
@@ -158,6 +165,13 @@ class DaemonSession:
                     self.lost = f"{err.code().name}: {err.details()}"
                     return
 
+    def stop_heartbeats(self) -> None:
+        """Lets the lease lapse (the daemon then quarantines the session's blocks)."""
+        self._stop.set()
+
     def detach(self) -> int:
+        """Ends the session; call only once nothing of this process writes
+        into the cache any more (the daemon then hands its blocks out again,
+        those of a lapsed session included)."""
         self._stop.set()
         return self.client.stub.Detach(pb.DetachRequest(session_id=self.session_id)).released_requests

@@ -25,6 +25,8 @@ class DaemonConfig:
             ``block_size`` is ignored); otherwise at the first attach.
         host_num_blocks: blocks of the host-memory tier; when 0, as many as
             ``host_memory_budget_bytes`` holds (0: no host tier).
+        quarantine_s: how long a lapsed session's blocks stay out of reuse
+            when its engine's process cannot be seen (kvd.quarantine).
     """
 
     block_size: int = 16
@@ -38,6 +40,7 @@ class DaemonConfig:
     model_layout: CacheLayout | None = None
     host_num_blocks: int = 0
     host_memory_budget_bytes: int = 0
+    quarantine_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.host_num_blocks < 0 or self.host_memory_budget_bytes < 0:
@@ -52,3 +55,5 @@ class DaemonConfig:
             raise ValueError(f"max_pinned_fraction must be in [0, 1], got {self.max_pinned_fraction}")
         if self.lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
+        if self.quarantine_s < 0:
+            raise ValueError(f"quarantine_s must be >= 0, got {self.quarantine_s}")

@@ -4,7 +4,8 @@ Every public method is one RPC's worth of work in plain Python types; the
 gRPC layer only translates. Keeping the lock here (and nothing below it
 thread-aware) means the pool and manager stay simple and fast. What it holds
 lives in its own modules: the cache (``kvd.cache``), the sessions
-(``kvd.session``), the event subscribers (``kvd.events``), the counters
+(``kvd.session``), lapsed sessions whose blocks are held back
+(``kvd.quarantine``), the event subscribers (``kvd.events``), the counters
 (``kvd.stats``).
 """
 
@@ -23,6 +24,8 @@ from kvd.errors import PreconditionError
 from kvd.events import EventBatch, EventHub, EventsSnapshot
 from kvd.layout import CacheLayout
 from kvd.memory import KVMemory
+from kvd.process_identity import ProcessIdentity
+from kvd.quarantine import Quarantine
 from kvd.scheduler import run_step
 from kvd.session import Session, SessionRegistry
 from kvd.stats import Stats, collect_stats
@@ -46,6 +49,7 @@ class Daemon:
         self.config = config
         self.lock = threading.Lock()
         self.sessions = SessionRegistry(config.lease_s)
+        self.quarantine = Quarantine(config.quarantine_s)
         self.events = EventHub(self._cached_hashes)
         self.cache: KVCache | None = None
         self._clock = clock
@@ -81,8 +85,11 @@ class Daemon:
 
     # ----------------------------------------------------------- sessions
 
-    def attach(self, client_name: str, model_layout: CacheLayout | None) -> tuple[Session, KVMemory]:
+    def attach(
+        self, client_name: str, model_layout: CacheLayout | None, process: ProcessIdentity | None = None
+    ) -> tuple[Session, KVMemory]:
         """Opens a session, creating the cache from ``model_layout`` if none exists.
+        ``process``: the engine's, checked if the session's lease lapses.
 
         Raises:
             PreconditionError: no cache and no layout, or a layout that does
@@ -98,7 +105,7 @@ class Daemon:
                     f"the model's layout ({model_layout.describe()}) does not match the daemon's cache "
                     f"({self.cache.layout.describe()}); restart the daemon or use a matching model"
                 )
-            session = self.sessions.open(client_name, now=self._clock())
+            session = self.sessions.open(client_name, now=self._clock(), process=process)
             log.info("session attached", extra={"session": session.session_id, "client": client_name})
             return session, self.cache.memory
 
@@ -107,15 +114,23 @@ class Daemon:
             self.sessions.get(session_id, now=self._clock())
 
     def detach(self, session_id: str) -> int:
+        """Ends a session, or a lapsed one's quarantine (its engine detaches
+        only once it cannot write); returns the requests it released."""
         with self.lock:
+            if session_id in self.quarantine:
+                return self._end_quarantine(session_id, "its engine detached")
             return self._close_session(session_id, "detached")
 
     def reap_expired(self) -> list[str]:
-        """Releases sessions whose heartbeat lapsed; returns their ids."""
+        """Quarantines sessions whose heartbeat lapsed, and releases the
+        quarantined ones that can no longer write; returns the lapsed ids."""
         with self.lock:
-            expired = self.sessions.expired(now=self._clock())
+            now = self._clock()
+            expired = self.sessions.expired(now=now)
             for session_id in expired:
-                self._close_session(session_id, "lease expired")
+                self._lapse(session_id, now)
+            for session_id, why in self.quarantine.due(now):
+                self._end_quarantine(session_id, why)
             return expired
 
     def start(self) -> None:
@@ -139,8 +154,26 @@ class Daemon:
         # come back at most 1.25 leases after its last heartbeat.
         interval_s = min(1.0, self.config.lease_s / 4)
         while not self._stop_reaper.wait(interval_s):
-            for session_id in self.reap_expired():
-                log.warning("session lease expired; its blocks were released", extra={"session": session_id})
+            self.reap_expired()
+
+    def _lapse(self, session_id: str, now: float) -> None:
+        """A lease lapsed: the session's requests keep their blocks, out of
+        reach, until its engine cannot write them (kvd/quarantine.py)."""
+        session = self.sessions.remove(session_id)
+        if self.cache is None:
+            return
+        self.quarantine.hold(session, now)
+        log.warning(
+            "session lease expired; its blocks are quarantined until its engine detaches or is gone",
+            extra={"session": session_id, "blocks": session.num_blocks_held},
+        )
+
+    def _end_quarantine(self, session_id: str, why: str) -> int:
+        assert self.cache is not None, "a quarantined session outlived its cache"
+        released = self.quarantine.release(session_id, self.cache.manager)
+        self._publish()
+        log.info("quarantined session released", extra={"session": session_id, "why": why, "requests": released})
+        return released
 
     def _close_session(self, session_id: str, why: str) -> int:
         if self.cache is None:  # no cache: the session holds nothing
@@ -208,7 +241,7 @@ class Daemon:
 
     def stats(self) -> Stats:
         with self.lock:
-            return collect_stats(self.cache, self.sessions)
+            return collect_stats(self.cache, self.sessions, self.quarantine)
 
     # ------------------------------------------------------------- events
 

@@ -16,9 +16,10 @@ hash (the only ones a forward writes) stay held by the session's fence. The
 session's own requests may take them in the same Step: the engine launches
 its next forward only after it read the one in flight. The engine sends its
 next Step after that too, so the session's next Step lifts the fence
-(whatever that Step's own flag). A session that ends (detach, or a lapsed
-lease) lifts it at once: an engine detaches after its last forward, and
-writes nothing once its lease may have lapsed.
+(whatever that Step's own flag). A session that ends lifts it: at once on
+Detach (an engine detaches after its last forward's writes landed); a lapsed
+one keeps it, with its requests' blocks, in quarantine (``kvd.quarantine``)
+until its engine can no longer write.
 
     Step k (forward k-1 in flight)          Step k+1
       preempt r: r's blocks without a hash    what is left of the fence goes
@@ -41,6 +42,7 @@ from kvd.block import Block
 from kvd.cache_manager import KVCacheManager
 from kvd.errors import NotFoundError
 from kvd.hashing import token_bytes
+from kvd.process_identity import ProcessIdentity
 from kvd.request import Request
 from kvd_api.daemon.v1 import daemon_pb2 as pb
 
@@ -83,6 +85,8 @@ class Session:
         fenced: blocks the session gave up while a forward of its engine ran,
             each holding one reference until its own requests take them or
             the session's next Step (see the module's docstring).
+        process: the engine's process as it named itself at attach (None:
+            unnamed), checked when the session's lease lapses (kvd.quarantine).
     """
 
     session_id: str
@@ -99,6 +103,7 @@ class Session:
     starved: bool = False
     forward_in_flight: bool = False
     fenced: list[Block] = field(default_factory=list)
+    process: ProcessIdentity | None = None
 
     def get(self, request_id: str) -> Request:
         """The request ``request_id``, running or waiting.
@@ -116,7 +121,7 @@ class Session:
 
     @property
     def num_blocks_held(self) -> int:
-        return sum(len(r.blocks) for r in self.running.values())
+        return sum(len(r.blocks) for r in self.running.values()) + len(self.fenced)
 
     # ------------------------------------------------------- transitions
 
@@ -295,11 +300,12 @@ class SessionRegistry:
         self.lease_s = lease_s
         self.sessions: dict[str, Session] = {}
 
-    def open(self, client_name: str, now: float | None = None) -> Session:
+    def open(self, client_name: str, now: float | None = None, process: ProcessIdentity | None = None) -> Session:
         session = Session(
             session_id=secrets.token_hex(8),
             client_name=client_name,
             last_seen=time.monotonic() if now is None else now,
+            process=process,
         )
         self.sessions[session.session_id] = session
         return session
@@ -314,10 +320,14 @@ class SessionRegistry:
 
     def close(self, session_id: str, manager: KVCacheManager) -> int:
         """Ends a session; returns how many requests it still held."""
+        return self.remove(session_id).release_all(manager)
+
+    def remove(self, session_id: str) -> Session:
+        """Takes a session out of the registry as it is (its requests keep their blocks)."""
         session = self.sessions.pop(session_id, None)
         if session is None:
             raise NotFoundError(f"unknown session {session_id!r}")
-        return session.release_all(manager)
+        return session
 
     def expired(self, now: float | None = None) -> list[str]:
         now = time.monotonic() if now is None else now

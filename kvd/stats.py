@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvd.cache import KVCache
+from kvd.quarantine import Quarantine
 from kvd.session import SessionRegistry
 
 
@@ -35,11 +36,18 @@ class Stats:
     copy_from_host_seconds: float = 0.0
     copy_batches_to_host: int = 0
     copy_batches_from_host: int = 0
+    num_quarantined_sessions: int = 0
+    num_quarantined_blocks: int = 0
 
 
-def collect_stats(cache: KVCache | None, sessions: SessionRegistry) -> Stats:
+def collect_stats(cache: KVCache | None, sessions: SessionRegistry, quarantine: Quarantine) -> Stats:
     """A snapshot of the cache (zeros before it exists) and the sessions. Under the daemon's lock."""
-    sessions_part = {"num_sessions": len(sessions.sessions), "num_requests": sessions.num_requests}
+    sessions_part = {
+        "num_sessions": len(sessions.sessions),
+        "num_requests": sessions.num_requests,
+        "num_quarantined_sessions": quarantine.num_sessions,
+        "num_quarantined_blocks": quarantine.num_blocks,
+    }
     if cache is None:
         return Stats(
             num_blocks=0, num_free_blocks=0, num_used_blocks=0, num_pinned_blocks=0, num_cached_blocks=0,

@@ -9,6 +9,7 @@ from __future__ import annotations
 from kvd import dtypes
 from kvd.layout import CacheLayout
 from kvd.memory import CudaIpcExport, Export, KVMemory, SharedMemoryExport
+from kvd.process_identity import ProcessIdentity
 from kvd_api.daemon.v1 import daemon_pb2 as pb
 
 #: The Step contract both sides speak (daemon.proto, "step"). An engine and a
@@ -78,3 +79,13 @@ def export_from_pb(handle: pb.MemoryHandle) -> Export:
             c.event_sync_required,
         )
     raise ValueError("memory handle has no kind")
+
+
+def process_to_pb(process: ProcessIdentity) -> pb.ProcessIdentity:
+    return pb.ProcessIdentity(
+        boot_id=process.boot_id, pid_namespace=process.pid_namespace, pid=process.pid, start_ticks=process.start_ticks
+    )
+
+
+def process_from_pb(msg: pb.ProcessIdentity) -> ProcessIdentity:
+    return ProcessIdentity(msg.boot_id, msg.pid_namespace, msg.pid, msg.start_ticks)

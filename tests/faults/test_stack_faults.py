@@ -30,6 +30,7 @@ from grpc_health.v1 import health_pb2
 from gateway.client import GatewayClient
 from inference import model_store
 from kvd.client import DaemonClient
+from kvd_api.daemon.v1 import daemon_pb2 as pb
 from kvd_api.engine.v1 import engine_pb2 as epb
 from tests.conftest import (
     blocks_held,
@@ -46,6 +47,7 @@ from tests.integration.engine_client import reference_greedy, stub
 DAEMON_ARGS = ["--block-size", "16", "--num-blocks", "1024", "--lease-s", "2"]
 TEMPLATE = "You are the dispatcher of the northern harbour. Answer in one short sentence. " * 2
 PROMPTS = [[100 + 7 * i + j for j in range(20 + 5 * i)] for i in range(4)]
+LONG_PROMPT = [200 + j % 3000 for j in range(2000)]
 NEW_TOKENS = 6
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
@@ -254,25 +256,41 @@ def test_redis_stopped_and_restarted(stack, expected):
     _serves(stack, expected)
 
 
-def test_engine_stopped_past_its_lease_then_continued(stack, expected):
+def test_engine_stopped_mid_forward_past_its_lease_never_writes_into_blocks_it_lost(stack, expected):
+    """A SIGSTOP that lands inside a forward, for longer than the lease: the
+    daemon quarantines the lapsed session's blocks (kvd/quarantine.py) rather
+    than handing them out, so a bystander session that takes every free block
+    meanwhile finds its bytes untouched after the engine resumes; the engine
+    stops the forward at its next layer's lease check, detaches (ending the
+    quarantine), re-attaches and serves exact tokens again."""
     with stack.client() as client:
-        stream = client.generate(PROMPTS[2], max_new_tokens=2000, ignore_eos=True)
-        next(stream)
-        assert blocks_held(stack.daemon) > 0
+        # Four 512-token prefill chunks in float64: the engine spends nearly
+        # all of its time inside forwards, so the stop lands in one.
+        stream = client.generate(LONG_PROMPT, max_new_tokens=4, ignore_eos=True)
+        assert wait_for(lambda: blocks_held(stack.daemon) > 0, 60)  # its first forward began
+        time.sleep(0.3)
         stack.engine.process.send_signal(signal.SIGSTOP)
         try:
-            # The lease (2 s) lapses: the daemon releases the session's blocks.
-            assert wait_for(lambda: blocks_held(stack.daemon) == 0, 15), "a silent engine's blocks stayed held"
+            # The lease (2 s) lapses: the session is gone, its blocks held back.
+            assert wait_for(lambda: _quarantine(stack) == (1, True), 15), _quarantine(stack)
             with DaemonClient.connect(stack.daemon.address) as daemon:
                 assert daemon.stats().num_sessions == 0
+                bystander = daemon.attach("bystander")
+                try:
+                    blocks = _take_every_free_block(bystander)
+                    bystander.cache[blocks] = 7.0
+                    stack.engine.process.send_signal(signal.SIGCONT)
+                    # The engine gives up its forward, detaches and attaches anew.
+                    assert wait_for(lambda: _quarantine(stack) == (0, False) and _sessions(stack) == 2, 30)
+                    assert bool((bystander.cache[blocks] == 7.0).all()), "the stopped engine wrote into lost blocks"
+                finally:
+                    bystander.detach()
         finally:
             stack.engine.process.send_signal(signal.SIGCONT)
-        # The engine finds its session gone: the request caught in it fails.
-        with pytest.raises(grpc.RpcError) as info:
+        with pytest.raises(grpc.RpcError) as info:  # the request caught in it fails
             list(stream)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-    # It attached again (a new session), and the gateway's health checks saw it serve.
-    assert wait_for(lambda: _sessions(stack) == 1 and health_status(stack.engine.address) == SERVING, 30)
+    assert wait_for(lambda: health_status(stack.engine.address) == SERVING, 30)
     time.sleep(1.0)  # two of the gateway's health checks (every 0.5 s)
     assert health_status(stack.gateway.address) == SERVING
     with Load(stack) as load:
@@ -280,6 +298,28 @@ def test_engine_stopped_past_its_lease_then_continued(stack, expected):
     load.check(expected, set())
     _settled(stack)
     _serves(stack, expected)
+
+
+def _quarantine(stack: Stack) -> tuple[int, bool]:
+    """Quarantined sessions, and whether they hold blocks."""
+    with DaemonClient.connect(stack.daemon.address) as client:
+        stats = client.stats()
+    return stats.num_quarantined_sessions, stats.num_quarantined_blocks > 0
+
+
+def _take_every_free_block(session) -> list[int]:
+    """One request whose prompt needs every free block, scheduled whole; its block ids."""
+    free = session.step(pb.StepRequest()).num_free_blocks
+    prompt = [1000 + i % 5000 for i in range(free * 16)]
+    reply = session.step(
+        pb.StepRequest(
+            settings=pb.SessionSettings(max_num_seqs=1, token_budget=len(prompt)),
+            new_requests=[pb.NewRequest(request_id="hog", prompt_token_ids=prompt, max_new_tokens=1)],
+        )
+    )
+    blocks = list(reply.scheduled.new_block_ids)
+    assert len(blocks) == free, (len(blocks), free)
+    return blocks
 
 
 def test_500_abandoned_streams_release_every_block(stack, expected):

@@ -129,6 +129,8 @@ BAD_REQUESTS = {
     "top_p zero": (request([1, 2], 4, top_p=0.0), "top_p"),
     "top_p above one": (request([1, 2], 4, top_p=1.5), "top_p"),
     "too long for the context": (request([1] * 8000, 500), "context"),
+    # shared_stack's pool: 256 blocks of 16 tokens; 4,000 + 200 need 263
+    "more than the whole KV cache": (request([1] * 4000, 200), "KV blocks"),
 }
 
 

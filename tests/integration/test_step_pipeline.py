@@ -21,8 +21,8 @@ import torch
 
 from inference.engine import Engine, EngineConfig
 from inference.model_runner import Chunk
+from inference.requests import Sequence
 from inference.sampling import SamplingParams
-from inference.sequence import Sequence
 from kvd.client import DaemonClient
 from kvd.config import DaemonConfig
 from kvd.daemon import Daemon
@@ -231,6 +231,9 @@ def test_one_engines_death_never_touches_the_others_requests(workdir):
         for seq, prompt in long_ones:
             assert collect(seq) == (reference(prompt, 40), "finished:length")
         with daemon.client() as client:
+            # Its process (this one) lives: its blocks stay quarantined until it detaches.
+            assert client.stats().num_quarantined_sessions == 1
+            doomed.session.detach()
             assert wait_for(lambda: client.stats().num_used_blocks == 0, 10)
     finally:
         survivor.stop()

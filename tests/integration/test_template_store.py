@@ -19,7 +19,10 @@ def store(request, tmp_path_factory):
     if request.param == "server":
         client = redis.Redis(host="127.0.0.1", port=6379)
         client.ping()
-        yield TemplateStore(client)
+        prefix = f"kvd-test-{secrets.token_hex(4)}:"  # the shared server keeps nothing of this run
+        yield TemplateStore(client, prefix=prefix)
+        for key in client.scan_iter(match=f"{prefix}*"):
+            client.delete(key)
     else:
         embedded = EmbeddedRedis(tmp_path_factory.mktemp("redis"))
         yield TemplateStore(embedded.start())
@@ -100,7 +103,8 @@ def test_concurrent_writers_never_expose_a_half_written_template(store, tenant):
     pool = client.connection_pool
     writers = [
         TemplateStore(
-            redis.Redis(connection_pool=redis.ConnectionPool(pool.connection_class, **pool.connection_kwargs))
+            redis.Redis(connection_pool=redis.ConnectionPool(pool.connection_class, **pool.connection_kwargs)),
+            prefix=store.prefix,
         )
         for _ in range(2)
     ]

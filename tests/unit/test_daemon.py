@@ -1,7 +1,10 @@
-"""The daemon in-process: its lease reaper (driven by a test clock) and its cache's lifetime."""
+"""The daemon in-process: its lease reaper (driven by a test clock), the quarantine of
+lapsed sessions, and its cache's lifetime."""
 
 from __future__ import annotations
 
+import dataclasses
+import subprocess
 import threading
 import time
 
@@ -11,6 +14,7 @@ from kvd.config import DaemonConfig
 from kvd.daemon import Daemon
 from kvd.errors import NotFoundError, PreconditionError
 from kvd.layout import CacheLayout
+from kvd.process_identity import Liveness, ProcessIdentity, liveness
 from kvd_api.daemon.v1 import daemon_pb2 as pb
 
 LAYOUT = CacheLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_size=4, dtype="float32")
@@ -46,8 +50,8 @@ def daemon(tmp_path, clock):
     d.close()
 
 
-def test_a_lapsed_lease_releases_the_sessions_blocks(daemon, clock):
-    session, _ = daemon.attach("engine", LAYOUT)
+def test_a_lapsed_lease_quarantines_the_sessions_blocks_then_releases_them(daemon, clock):
+    session, _ = daemon.attach("engine", LAYOUT)  # names no process: it cannot be seen
     daemon.step(session.session_id, arrive("r", list(range(9))))
     assert daemon.stats().num_free_blocks < 8
     clock.advance(4.9)
@@ -57,9 +61,66 @@ def test_a_lapsed_lease_releases_the_sessions_blocks(daemon, clock):
     assert daemon.reap_expired() == []
     clock.advance(0.2)
     assert daemon.reap_expired() == [session.session_id]
-    assert daemon.stats().num_free_blocks == 8 and daemon.stats().num_sessions == 0
+    # The engine may be stopped inside a forward: its blocks stay out of reuse.
+    stats = daemon.stats()
+    assert (stats.num_sessions, stats.num_quarantined_sessions, stats.num_quarantined_blocks) == (0, 1, 3)
+    assert stats.num_free_blocks == 5
     with pytest.raises(NotFoundError):
         daemon.heartbeat(session.session_id)
+    clock.advance(daemon.config.quarantine_s - 0.1)
+    daemon.reap_expired()
+    assert daemon.stats().num_quarantined_sessions == 1
+    clock.advance(0.1)  # its process cannot be seen: held quarantine_s, then released
+    daemon.reap_expired()
+    assert daemon.stats().num_free_blocks == 8 and daemon.stats().num_quarantined_sessions == 0
+
+
+def _lapse(daemon: Daemon, clock: ManualClock, process: ProcessIdentity | None) -> str:
+    session, _ = daemon.attach("engine", LAYOUT, process)
+    daemon.step(session.session_id, arrive("r", list(range(9))))
+    clock.advance(daemon.config.lease_s + 0.1)
+    assert daemon.reap_expired() == [session.session_id]
+    return session.session_id
+
+
+def test_a_quarantine_ends_when_the_engine_detaches(daemon, clock):
+    session_id = _lapse(daemon, clock, ProcessIdentity.of_this_process())
+    assert daemon.stats().num_quarantined_sessions == 1
+    assert daemon.detach(session_id) == 1  # its loop left the forward: it cannot write
+    assert daemon.stats().num_free_blocks == 8 and daemon.stats().num_quarantined_sessions == 0
+    with pytest.raises(NotFoundError):
+        daemon.detach(session_id)
+
+
+def test_a_quarantine_lasts_while_the_engines_process_lives_and_ends_when_it_is_gone(daemon, clock):
+    engine = subprocess.Popen(["sleep", "60"])
+    try:
+        _lapse(daemon, clock, ProcessIdentity.of_pid(engine.pid))
+        clock.advance(10 * daemon.config.quarantine_s)  # alive: no time bound
+        daemon.reap_expired()
+        assert daemon.stats().num_quarantined_sessions == 1 and daemon.stats().num_free_blocks == 5
+    finally:
+        engine.kill()
+        engine.wait()
+    daemon.reap_expired()
+    assert daemon.stats().num_quarantined_sessions == 0 and daemon.stats().num_free_blocks == 8
+
+
+def test_a_lapsed_session_whose_process_is_gone_is_released_at_once(daemon, clock):
+    gone = subprocess.Popen(["true"])
+    identity = ProcessIdentity.of_pid(gone.pid)
+    gone.wait()
+    _lapse(daemon, clock, identity)
+    assert daemon.stats().num_quarantined_sessions == 0 and daemon.stats().num_free_blocks == 8
+
+
+def test_a_process_is_told_apart_from_its_pid_reused_or_another_namespace():
+    me = ProcessIdentity.of_this_process()
+    assert liveness(me) is Liveness.ALIVE
+    assert liveness(dataclasses.replace(me, start_ticks=me.start_ticks + 1)) is Liveness.GONE  # pid reused
+    assert liveness(dataclasses.replace(me, pid_namespace="pid:[1]")) is Liveness.UNKNOWN  # another container
+    assert liveness(dataclasses.replace(me, boot_id="another-host")) is Liveness.UNKNOWN
+    assert liveness(None) is Liveness.UNKNOWN
 
 
 def test_the_started_reaper_expires_sessions_of_an_embedded_daemon(tmp_path, clock):

@@ -205,6 +205,27 @@ def test_cost_counts_this_gateways_requests_until_a_report_covers_them():
     assert r.choose(key(list(range(5000, 5640)))) == other
 
 
+def test_a_busier_fleet_weighs_a_cache_miss_more():
+    clock = [0.0]
+    r = router(A, B, C, clock=lambda: clock[0])
+    prompt = key(LONG)  # 640 tokens: B holds 480 of them
+    r.apply(B, [("stored", prompt.block_hashes[:30], 0)])
+    r.started(A, 640)  # a request's uncached tokens, as this gateway has seen them
+    clock[0] = 1.0
+    rate = {"forward_s": 0.0, "token_s": 1e-4, "token_budget": 2048}
+
+    def queues(a: int, b: int, c: int) -> str:
+        for address, queued in ((A, a), (B, b), (C, c)):
+            r.report_load(address, Load(queued_tokens=queued, **rate))
+        return r.choose(prompt)
+
+    # B has 3000 tokens more queued than the others. Near idle, that wait
+    # costs more than computing 480 tokens again elsewhere...
+    assert queues(0, 3000, 0) != B
+    # ... but when every queue is long, more requests will wait behind a miss.
+    assert queues(9000, 12_000, 9000) == B
+
+
 def test_a_replica_not_measured_yet_is_estimated_at_the_fleets_rate():
     r = router(A, B)
     prompt = key(LONG, template="acme/bot", template_blocks=30)
@@ -273,3 +294,35 @@ def test_the_index_finds_every_replicas_run_in_one_search():
         index.stored(slot, slot % 2, blocks[: (slot * 7) % 41])
     expected = {slot: (slot * 7) % 41 for slot in range(64) if (slot * 7) % 41}
     assert index.run_lengths(keys, (1 << 64) - 1) == expected
+
+
+def test_a_turn_sent_before_its_previous_turn_is_prefilled_follows_it():
+    """The previous turn's blocks are promised to its replica from the moment it
+    is sent: the next turn queued behind it there finds them cached."""
+    r = router(*[f"10.0.3.{i}:1" for i in range(8)])
+    first = key(LONG[:320])  # 20 blocks, held nowhere yet
+    route = r.route(first)
+    ticket = r.started(route.address, route.uncached_tokens, route.new_keys)
+    following = key(LONG)  # its prompt extends the first's
+    assert r.route(following) == Route(route.address, 640 - 20 * 16)
+    # Its prefill ended and the daemon's events say the same: no promise is left over.
+    r.apply(route.address, [("stored", first.block_hashes, 0)])
+    r.prefilled(route.address, ticket)
+    assert r.route(following) == Route(route.address, 640 - 20 * 16)
+    r.apply(route.address, [("removed", first.block_hashes, 0)])
+    assert r.route(following).uncached_tokens == 640
+
+
+def test_promised_blocks_count_every_request_that_promised_them():
+    index = BlockIndex()
+    keys = index_keys(hashes(LONG))
+    index.stored(0, 0, hashes(LONG)[:5])
+    index.promise(0, keys[5:20])  # a request that held the first 5 blocks there
+    index.promise(0, keys[5:10])
+    index.promise(1, keys[:3])
+    assert index.run_lengths(keys, 0b11) == {0: 20, 1: 3}
+    index.unpromise(0, keys[5:20])
+    assert index.run_lengths(keys, 0b11) == {0: 10, 1: 3}
+    index.unpromise(0, keys[5:10])
+    index.unpromise(1, keys[:3])
+    assert index.run_lengths(keys, 0b11) == {0: 5} and index.num_promised() == 0

@@ -44,7 +44,9 @@ def test_the_quick_run_reports_every_policy_on_every_workload(tmp_path):
             assert 0 < s["ttft_p50_s"] <= s["ttft_p90_s"] and len(s["utilisation"]) == 4
         ratios = data["ratios"][cell]
         assert set(ratios) == {"cost_over_oracle_ttft_mean", "cost_over_oracle_ttft_p90", "cost_over_best_hit_rate",
-                               "cost_over_round_robin_ttft_mean"}  # fmt: skip
+                               "cost_over_round_robin_ttft_mean", "oracle_over_round_robin_ttft_mean"}  # fmt: skip
+    assert set(data["ratios"]) - set(cells) == {"worst_ttft_over_oracle", "worst_hit_over_best",
+                                                "worst_ttft_over_round_robin"}  # fmt: skip
     # Multi-turn chat: the turns that follow find their conversation's blocks where cost sent them.
     chat = cells["chat/4/0.8"]
     assert chat["cost"]["hit_rate"] > chat["round-robin"]["hit_rate"]

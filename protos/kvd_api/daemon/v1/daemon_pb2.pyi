@@ -100,14 +100,28 @@ class DescribeResponse(_message.Message):
     def __init__(self, ready: _Optional[bool] = ..., layout: _Optional[_Union[CacheLayout, _Mapping]] = ..., memory: _Optional[_Union[MemoryHandle, _Mapping]] = ..., cache_id: _Optional[str] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("client_name", "layout", "protocol_version")
+    __slots__ = ("client_name", "layout", "protocol_version", "process")
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_FIELD_NUMBER: _ClassVar[int]
     client_name: str
     layout: CacheLayout
     protocol_version: int
-    def __init__(self, client_name: _Optional[str] = ..., layout: _Optional[_Union[CacheLayout, _Mapping]] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+    process: ProcessIdentity
+    def __init__(self, client_name: _Optional[str] = ..., layout: _Optional[_Union[CacheLayout, _Mapping]] = ..., protocol_version: _Optional[int] = ..., process: _Optional[_Union[ProcessIdentity, _Mapping]] = ...) -> None: ...
+
+class ProcessIdentity(_message.Message):
+    __slots__ = ("boot_id", "pid_namespace", "pid", "start_ticks")
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    PID_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    START_TICKS_FIELD_NUMBER: _ClassVar[int]
+    boot_id: str
+    pid_namespace: str
+    pid: int
+    start_ticks: int
+    def __init__(self, boot_id: _Optional[str] = ..., pid_namespace: _Optional[str] = ..., pid: _Optional[int] = ..., start_ticks: _Optional[int] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
     __slots__ = ("session_id", "layout", "memory", "heartbeat_interval_s", "cache_id", "protocol_version", "lease_s")
@@ -292,7 +306,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("num_blocks", "num_free_blocks", "num_used_blocks", "num_pinned_blocks", "num_cached_blocks", "max_pinned_blocks", "evictions", "query_tokens", "hit_tokens", "num_sessions", "num_requests", "num_pins", "num_host_blocks", "num_host_free_blocks", "num_host_cached_blocks", "num_copying_blocks", "num_host_blocks_read", "host_hit_tokens", "host_evictions", "bytes_to_host", "bytes_from_host", "copy_to_host_seconds", "copy_from_host_seconds", "copy_batches_to_host", "copy_batches_from_host")
+    __slots__ = ("num_blocks", "num_free_blocks", "num_used_blocks", "num_pinned_blocks", "num_cached_blocks", "max_pinned_blocks", "evictions", "query_tokens", "hit_tokens", "num_sessions", "num_requests", "num_pins", "num_host_blocks", "num_host_free_blocks", "num_host_cached_blocks", "num_copying_blocks", "num_host_blocks_read", "host_hit_tokens", "host_evictions", "bytes_to_host", "bytes_from_host", "copy_to_host_seconds", "copy_from_host_seconds", "copy_batches_to_host", "copy_batches_from_host", "num_quarantined_sessions", "num_quarantined_blocks")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -318,6 +332,8 @@ class StatsResponse(_message.Message):
     COPY_FROM_HOST_SECONDS_FIELD_NUMBER: _ClassVar[int]
     COPY_BATCHES_TO_HOST_FIELD_NUMBER: _ClassVar[int]
     COPY_BATCHES_FROM_HOST_FIELD_NUMBER: _ClassVar[int]
+    NUM_QUARANTINED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_QUARANTINED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     num_free_blocks: int
     num_used_blocks: int
@@ -343,7 +359,9 @@ class StatsResponse(_message.Message):
     copy_from_host_seconds: float
     copy_batches_to_host: int
     copy_batches_from_host: int
-    def __init__(self, num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., max_pinned_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., num_sessions: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_pins: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., num_host_free_blocks: _Optional[int] = ..., num_host_cached_blocks: _Optional[int] = ..., num_copying_blocks: _Optional[int] = ..., num_host_blocks_read: _Optional[int] = ..., host_hit_tokens: _Optional[int] = ..., host_evictions: _Optional[int] = ..., bytes_to_host: _Optional[int] = ..., bytes_from_host: _Optional[int] = ..., copy_to_host_seconds: _Optional[float] = ..., copy_from_host_seconds: _Optional[float] = ..., copy_batches_to_host: _Optional[int] = ..., copy_batches_from_host: _Optional[int] = ...) -> None: ...
+    num_quarantined_sessions: int
+    num_quarantined_blocks: int
+    def __init__(self, num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., max_pinned_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., num_sessions: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_pins: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., num_host_free_blocks: _Optional[int] = ..., num_host_cached_blocks: _Optional[int] = ..., num_copying_blocks: _Optional[int] = ..., num_host_blocks_read: _Optional[int] = ..., host_hit_tokens: _Optional[int] = ..., host_evictions: _Optional[int] = ..., bytes_to_host: _Optional[int] = ..., bytes_from_host: _Optional[int] = ..., copy_to_host_seconds: _Optional[float] = ..., copy_from_host_seconds: _Optional[float] = ..., copy_batches_to_host: _Optional[int] = ..., copy_batches_from_host: _Optional[int] = ..., num_quarantined_sessions: _Optional[int] = ..., num_quarantined_blocks: _Optional[int] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ()
