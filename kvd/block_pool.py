@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvd.block import Block
@@ -107,15 +107,13 @@ class BlockPool:
                 self._events.append(BlockRemoved(tuple(evicted)))
         return blocks
 
-    def touch(self, blocks: Iterable[Block]) -> None:
+    def touch(self, blocks: Sequence[Block]) -> None:
         """Takes one more reference on each block (a cache hit or a pin).
 
         A free block leaves the free queue, so it can no longer be evicted.
         """
-        remove = self.free_queue.remove
+        self.free_queue.remove_n([block for block in blocks if block.ref_cnt == 0])
         for block in blocks:
-            if block.ref_cnt == 0:
-                remove(block)
             block.ref_cnt += 1
 
     def release(self, blocks: Sequence[Block]) -> None:
@@ -125,15 +123,20 @@ class BlockPool:
         to the tail (the table's tail is evicted first among them), empty
         blocks to the head (reused before any cached content is evicted).
         """
-        queue = self.free_queue
-        for block in reversed(blocks):
-            assert block.ref_cnt > 0, f"{block} released more often than taken"
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                if block.block_hash is None:
-                    queue.appendleft(block)
-                else:
-                    queue.append(block)
+        to_tail: list[Block] = []  # hashed, in reverse table order
+        to_head: list[Block] = []  # empty, in reverse table order
+        try:
+            for block in reversed(blocks):
+                assert block.ref_cnt > 0, f"{block} released more often than taken"
+                block.ref_cnt -= 1
+                if block.ref_cnt == 0:
+                    (to_head if block.block_hash is None else to_tail).append(block)
+        finally:  # NOTE: the queue is linked per run, not per block (its cost at 100+ blocks)
+            if to_tail:
+                self.free_queue.append_n(to_tail)
+            if to_head:
+                to_head.reverse()  # linked at the head in table order: the last is reused last
+                self.free_queue.appendleft_n(to_head)
 
     # ------------------------------------------------------------- copies
 
@@ -167,21 +170,17 @@ class BlockPool:
         """
         if not self.enable_caching:
             return []
-        stored = []
         new_blocks = []
-        cached = self.cached
+        index = self.cached.setdefault
         for block, block_hash in zip(blocks, block_hashes, strict=True):
             if block.block_hash is not None:
                 assert block.block_hash == block_hash, f"{block} re-hashed with other content"
                 continue
-            if block_hash in cached:
-                continue
-            block.block_hash = block_hash
-            cached[block_hash] = block
-            stored.append(block_hash)
-            new_blocks.append(block)
-        if stored and self.record_events:
-            self._events.append(BlockStored(tuple(stored)))
+            if index(block_hash, block) is block:  # a duplicate leaves the first copy indexed
+                block.block_hash = block_hash
+                new_blocks.append(block)
+        if new_blocks and self.record_events:
+            self._events.append(BlockStored(tuple(b.block_hash for b in new_blocks)))
         return new_blocks
 
     def reset(self) -> int:

@@ -85,7 +85,9 @@ class KVCacheManager:
 
     # ---------------------------------------------------------- admission
 
-    def admit(self, request: Request, token_budget: int) -> Admitted | Deferred | None:
+    def admit(
+        self, request: Request, token_budget: int, fence: list[Block] | None = None
+    ) -> Admitted | Deferred | None:
         """Gives a new request its cached prefix and slots for one chunk.
 
         Prefix-aware: only uncached tokens count against ``token_budget`` and
@@ -95,6 +97,11 @@ class KVCacheManager:
         device but hit the host tier are cached too: they get device blocks,
         indexed at once, whose bytes are copied back before the engine runs
         (``swap_ins``); far cheaper than recomputing them.
+
+        Args:
+            fence: the caller's fenced blocks (see ``free``), taken before
+                the pool's: the caller's next forward runs after the one
+                that may still write into them.
 
         Returns:
             ``None`` when the budget is spent or the pool cannot hold the
@@ -106,7 +113,7 @@ class KVCacheManager:
         num_tokens = len(request.token_ids)
         hashes = request.block_hashes
         cached = self.match_tiers(hashes)
-        hits = [c for c in cached if isinstance(c, Block)]
+        hits = cached if self.host is None else [c for c in cached if isinstance(c, Block)]
         num_host_hits = len(cached) - len(hits)
         if len(cached) < len(hashes) and hashes[len(cached)] in self.inflight:
             return DEFERRED
@@ -117,11 +124,11 @@ class KVCacheManager:
             return None
         blocks_needed = max(0, self._blocks_for(first + num_new) - len(hits))
         # A free cached block that we hit leaves the free queue too.
-        num_hits_free = sum(1 for block in hits if block.ref_cnt == 0)
-        if blocks_needed + num_hits_free > self.pool.num_free:
+        num_hits_free = len([block for block in hits if block.ref_cnt == 0])
+        if blocks_needed + num_hits_free > self.pool.num_free + (len(fence) if fence else 0):
             return None
         self.pool.touch(hits)
-        new_blocks = self.pool.allocate(blocks_needed)
+        new_blocks = self._allocate(blocks_needed, fence)
         assert new_blocks is not None, "capacity was checked above"
         request.blocks = self._swap_in(cached, hashes, new_blocks) if num_host_hits else hits + new_blocks
         request.num_cached_tokens = num_cached
@@ -174,8 +181,9 @@ class KVCacheManager:
         self.swap_ins.extend(swap_ins)
         return table
 
-    def append(self, request: Request, num_tokens: int) -> list[Block] | None:
-        """Slots for a running request's next ``num_tokens`` tokens.
+    def append(self, request: Request, num_tokens: int, fence: list[Block] | None = None) -> list[Block] | None:
+        """Slots for a running request's next ``num_tokens`` tokens (``fence``:
+        as for ``admit``).
 
         Returns:
             The blocks appended to its table (often none), or ``None`` when
@@ -183,10 +191,11 @@ class KVCacheManager:
         """
         if num_tokens < 1:
             raise ValueError(f"request {request.request_id!r}: num_tokens must be >= 1, got {num_tokens}")
-        needed = self._blocks_for(request.num_scheduled_tokens + num_tokens) - len(request.blocks)
+        # NOTE: _blocks_for inlined: every running request's decode comes here, each Step.
+        needed = -(-(request.num_scheduled_tokens + num_tokens) // self.block_size) - len(request.blocks)
         new_blocks: list[Block] = []
         if needed > 0:
-            allocated = self.pool.allocate(needed)
+            allocated = self._allocate(needed, fence)
             if allocated is None:
                 return None
             new_blocks = allocated
@@ -270,13 +279,40 @@ class KVCacheManager:
         self.offloads, self.swap_ins = [], []
         return offloads, swap_ins
 
-    def free(self, request: Request) -> None:
-        """Gives back every block of a finished, cancelled or preempted request."""
+    def free(self, request: Request, fence: list[Block] | None = None) -> None:
+        """Gives back every block of a finished, cancelled or preempted request.
+
+        Args:
+            fence: given while the engine's forward may still write into the
+                request's blocks: its blocks without a hash move here, their
+                references with them, out of the pool's reach until the caller
+                releases the fence (only the caller's own later allocations may
+                take them: ``admit``, ``append``). Hashed blocks are released
+                now: they are full and committed, and no forward writes into
+                them (the engine writes only positions past its cached prefix).
+        """
         self._forget_inflight(request, request.block_hashes[request.num_indexed_blocks :])
-        self.pool.release(request.blocks)
+        blocks = request.blocks
+        if fence is not None:
+            fence.extend([block for block in blocks if block.block_hash is None])
+            blocks = [block for block in blocks if block.block_hash is not None]
+        self.pool.release(blocks)
         request.blocks = []
         request.num_computed_tokens = request.num_scheduled_tokens = 0
         request.num_indexed_blocks = 0
+
+    def _allocate(self, n: int, fence: list[Block] | None) -> list[Block] | None:
+        """``n`` blocks, the fence's first (each keeps the reference the fence
+        held), then the pool's; None when both together are short."""
+        if not fence:
+            return self.pool.allocate(n)
+        if n > len(fence) + self.pool.num_free:
+            return None
+        taken = fence[:n]
+        del fence[:n]
+        rest = self.pool.allocate(n - len(taken))
+        assert rest is not None, "capacity was checked above"
+        return taken + rest
 
     def _forget_inflight(self, request: Request, block_hashes: Sequence[bytes]) -> None:
         inflight = self.inflight

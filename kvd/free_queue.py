@@ -84,6 +84,20 @@ class FreeBlockQueue:
         block.prev_free = block.next_free = None
         self.num_free -= 1
 
+    def remove_n(self, blocks: Iterable[Block]) -> None:
+        """Unlinks each of ``blocks`` (``remove`` without a call per block)."""
+        count = 0
+        try:
+            for block in blocks:
+                prev, nxt = block.prev_free, block.next_free
+                assert prev is not None and nxt is not None, f"{block} is not in the free queue"
+                prev.next_free = nxt
+                nxt.prev_free = prev
+                block.prev_free = block.next_free = None
+                count += 1
+        finally:
+            self.num_free -= count
+
     def append(self, block: Block) -> None:
         """Links ``block`` at the tail (evicted last)."""
         self._link_before(self._tail, block)
@@ -95,8 +109,14 @@ class FreeBlockQueue:
         self._link_before(nxt, block)
 
     def append_n(self, blocks: Iterable[Block]) -> None:
-        for block in blocks:
-            self._link_before(self._tail, block)
+        """Links ``blocks`` at the tail, in order (the last is evicted last)."""
+        self._link_run_before(self._tail, blocks)
+
+    def appendleft_n(self, blocks: Iterable[Block]) -> None:
+        """Links ``blocks`` at the head, in order (the first is reused first)."""
+        nxt = self._head.next_free
+        assert nxt is not None
+        self._link_run_before(nxt, blocks)
 
     def _link_before(self, node: Block, block: Block) -> None:
         # NOTE: these asserts are what keeps a double free from corrupting the
@@ -110,3 +130,23 @@ class FreeBlockQueue:
         block.next_free = node
         node.prev_free = block
         self.num_free += 1
+
+    def _link_run_before(self, node: Block, blocks: Iterable[Block]) -> None:
+        """``_link_before`` for a run of blocks, chained in one pass (a
+        request's blocks are freed together: one call, not one per block)."""
+        prev = node.prev_free
+        assert prev is not None
+        count = 0
+        try:
+            for block in blocks:
+                # NOTE: the same double-free guards as _link_before.
+                assert block.prev_free is None and block.next_free is None, f"{block} is already free"
+                assert block.ref_cnt == 0, f"{block} is still referenced"
+                prev.next_free = block
+                block.prev_free = prev
+                prev = block
+                count += 1
+        finally:  # a refused block leaves the ones before it linked, the list whole
+            prev.next_free = node
+            node.prev_free = prev
+            self.num_free += count

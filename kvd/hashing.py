@@ -81,10 +81,12 @@ def chain_block_hashes(
         return []
     data = token_bytes(token_ids[start_block * block_size : num_full * block_size])
     width = 4 * block_size
-    hashes = []
+    hashes: list[bytes] = []
+    append = hashes.append  # NOTE: ~30% of a 2k-token prompt's admission is this loop
+    sha256 = _sha256
     for offset in range(0, len(data), width):
-        parent = _sha256(parent + extra + data[offset : offset + width]).digest()
-        hashes.append(parent)
+        parent = sha256(parent + extra + data[offset : offset + width]).digest()
+        append(parent)
     return hashes
 
 

@@ -18,12 +18,17 @@ slot for the token that forward samples for it. When the pool cannot serve
 a running request, the last request in schedule order (lowest priority,
 newest) is preempted (its blocks freed; it waits again and is recomputed
 later) until the request fits or was itself preempted. A step that had to
-preempt admits nobody: there is no room.
+preempt admits nobody: there is no room. With a forward in flight, a
+victim's blocks that forward may be writing are fenced, not freed (see
+``kvd.session``): they make room for this session's requests at once (its
+next forward runs after the one in flight) and for others' from its next
+Step on.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 
 from kvd.block import Block
 from kvd.cache_manager import DEFERRED, KVCacheManager
@@ -105,18 +110,20 @@ def _schedule_running(
     budget = session.token_budget
     decodes: list[tuple[Request, int]] = []
     prefills: list[tuple[Request, int]] = []
-    for request in sorted(session.running.values(), key=_order):
-        wanted = wanted_tokens(request, forward_in_flight, session.steps)
+    step, running, fence = session.steps, session.running, session.fenced
+    for request in sorted(running.values(), key=_order):
+        wanted = wanted_tokens(request, forward_in_flight, step)
         if wanted:
             (decodes if wanted == 1 else prefills).append((request, wanted))
+    append = manager.append
     for request, wanted in decodes + prefills:
         if budget <= 0:
             break
-        if request.request_id not in session.running:  # preempted by an earlier one
+        if request.request_id not in running:  # preempted by an earlier one
             continue
         num_tokens = min(wanted, budget)
         first = request.num_scheduled_tokens
-        new_blocks = manager.append(request, num_tokens)
+        new_blocks = append(request, num_tokens, fence)
         if new_blocks is None:
             new_blocks = _preempt_until_fits(manager, session, request, num_tokens, preempted)
             if new_blocks is None:
@@ -141,7 +148,7 @@ def _preempt_until_fits(
         preempted.append(victim.request_id)
         if victim is request:
             return None
-        new_blocks = manager.append(request, num_tokens)
+        new_blocks = manager.append(request, num_tokens, session.fenced)
         if new_blocks is not None:
             return new_blocks
 
@@ -152,7 +159,7 @@ def _admit(manager: KVCacheManager, session: Session, budget: int, rows: list[_R
     for request in list(session.waiting):
         if room <= 0 or budget <= 0:
             return
-        admitted = manager.admit(request, budget)
+        admitted = manager.admit(request, budget, session.fenced)
         if admitted is DEFERRED:  # waits for another request's blocks; the next in line may go
             deferred += 1
             if deferred >= ADMISSION_LOOKAHEAD:
@@ -192,5 +199,6 @@ def _reply(rows: list[_Row]) -> pb.StepResponse:
     return reply
 
 
-def _order(request: Request) -> tuple[int, int]:
-    return request.order
+#: A request's place in the schedule (``Request.order``), read without a
+#: Python call per request: the sort key of every Step's running requests.
+_order = attrgetter("priority", "arrival")

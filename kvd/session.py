@@ -6,6 +6,25 @@ blocks, may go back to waiting when preempted, and is released when the
 engine reports it finished. ``Session.apply`` takes a Step's reports (new
 requests, commits, finished requests) after checking all of them: a bad Step
 changes nothing.
+
+The fence. A Step that says ``forward_in_flight`` was sent while the engine's
+last forward may still be writing into the blocks of the requests it
+computes. A request given up in that Step (preempted, finished, cancelled)
+must not see those blocks go to another session (another engine, whose
+forwards run concurrently) before that forward is done: its blocks without a
+hash (the only ones a forward writes) stay held by the session's fence. The
+session's own requests may take them in the same Step: the engine launches
+its next forward only after it read the one in flight. The engine sends its
+next Step after that too, so the session's next Step lifts the fence
+(whatever that Step's own flag). A session that ends lifts it: at once on
+Detach (an engine detaches after its last forward's writes landed); a lapsed
+one keeps it, with its requests' blocks, in quarantine (``kvd.quarantine``)
+until its engine can no longer write.
+
+    Step k (forward k-1 in flight)          Step k+1
+      preempt r: r's blocks without a hash    what is left of the fence goes
+      are fenced (hashed ones are released);  back to the pool, then this
+      this session may reuse them at once     Step's own give-ups are fenced
 """
 
 from __future__ import annotations
@@ -17,7 +36,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
+from operator import attrgetter
 
+from kvd.block import Block
 from kvd.cache_manager import KVCacheManager
 from kvd.errors import NotFoundError
 from kvd.hashing import token_bytes
@@ -34,13 +55,10 @@ DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_TOKEN_BUDGET = 512
 
 
-@dataclass(slots=True)
-class Commit:
-    """One request's entry of a Step's commits."""
-
-    request: Request
-    num_computed_tokens: int
-    new_token_ids: Sequence[int]
+#: One request's entry of a Step's commits: (request, num_computed_tokens,
+#: new_token_ids). NOTE: a tuple, not a class: a decode Step makes one per
+#: running request, and a class's __init__ call costs more than the commit.
+Commit = tuple[Request, int, Sequence[int]]
 
 
 @dataclass(slots=True)
@@ -63,6 +81,10 @@ class Session:
             (priority, then arrival).
         steps: how many Steps the session has sent.
         starved: its last Step left a waiting request out for want of blocks.
+        forward_in_flight: the current Step was sent while a forward ran.
+        fenced: blocks the session gave up while a forward of its engine ran,
+            each holding one reference until its own requests take them or
+            the session's next Step (see the module's docstring).
         process: the engine's process as it named itself at attach (None:
             unnamed), checked when the session's lease lapses (kvd.quarantine).
     """
@@ -79,6 +101,8 @@ class Session:
     steps: int = 0
     arrivals: int = 0
     starved: bool = False
+    forward_in_flight: bool = False
+    fenced: list[Block] = field(default_factory=list)
     process: ProcessIdentity | None = None
 
     def get(self, request_id: str) -> Request:
@@ -97,7 +121,7 @@ class Session:
 
     @property
     def num_blocks_held(self) -> int:
-        return sum(len(r.blocks) for r in self.running.values())
+        return sum(len(r.blocks) for r in self.running.values()) + len(self.fenced)
 
     # ------------------------------------------------------- transitions
 
@@ -116,14 +140,14 @@ class Session:
 
     def preempt(self, manager: KVCacheManager, request: Request) -> None:
         """Frees a running request's blocks; it waits again, in its old place."""
-        manager.free(request)
+        self._free(manager, request)
         del self.running[request.request_id]
         self._wait(request)
 
     def release(self, manager: KVCacheManager, request: Request) -> None:
         """Frees a request's blocks (if it holds any) and forgets it."""
         if self.running.pop(request.request_id, None) is not None:
-            manager.free(request)
+            self._free(manager, request)
         else:
             del self.waiting[self._waiting_index(request)]
         del self.requests[request.request_id]
@@ -132,10 +156,23 @@ class Session:
             self.recently_freed.popitem(last=False)
 
     def release_all(self, manager: KVCacheManager) -> int:
+        """Releases every request and the fence (the session ends); returns
+        how many requests it held."""
         count = len(self.requests)
+        self.forward_in_flight = False  # an ended session's engine writes nothing more
         for request in list(self.requests.values()):
             self.release(manager, request)
+        self.lift_fence(manager)
         return count
+
+    def lift_fence(self, manager: KVCacheManager) -> None:
+        """Releases the blocks fenced by the last Step: its forward is done."""
+        if self.fenced:
+            fenced, self.fenced = self.fenced, []
+            manager.pool.release(fenced)
+
+    def _free(self, manager: KVCacheManager, request: Request) -> None:
+        manager.free(request, self.fenced if self.forward_in_flight else None)
 
     def _wait(self, request: Request) -> None:
         bisect.insort(self.waiting, request, key=_order)
@@ -155,17 +192,21 @@ class Session:
             ValueError, NotFoundError: before any change.
         """
         checked = self._check(manager, msg)
+        # NOTE: sent after the engine read the forward that was in flight at
+        # the last Step, so what that Step fenced is free to go.
+        self.lift_fence(manager)
+        self.forward_in_flight = msg.forward_in_flight
         if msg.HasField("settings"):
             self.max_num_seqs = msg.settings.max_num_seqs
             self.token_budget = msg.settings.token_budget
         for request in checked.arrivals:
             self.enqueue(request)
-        for commit in checked.commits:
-            request = commit.request
-            if request.request_id in self.running:
-                manager.apply_commit(request, commit.num_computed_tokens, commit.new_token_ids)
+        running, apply_commit = self.running, manager.apply_commit
+        for request, num_computed, new_token_ids in checked.commits:
+            if request.request_id in running:
+                apply_commit(request, num_computed, new_token_ids)
             else:  # preempted while its forward ran: its tokens still count
-                request.token_ids.extend(commit.new_token_ids)
+                request.token_ids.extend(new_token_ids)
         for request in checked.finished:
             self.release(manager, request)
         return [r.request_id for r in checked.finished]
@@ -190,23 +231,24 @@ class Session:
         )
         if not len(ids) == len(computed) == len(counts):
             raise ValueError("commits: request_ids, num_computed_tokens and num_new_tokens must have the same length")
-        if any(n < 0 for n in counts) or sum(counts) != len(tokens):
+        if min(counts, default=0) < 0 or sum(counts) != len(tokens):
             raise ValueError("commits: num_new_tokens must be >= 0 and add up to len(new_token_ids)")
         _unique("commits", ids)
         token_bytes(tokens)  # one conversion checks every sampled token of the step
         offsets = list(accumulate(counts, initial=0))
         commits = []
-        running = self.running
-        for i, request_id in enumerate(ids):
-            request = self.get(request_id)
+        # NOTE: a decode Step commits every running request: names bound once.
+        requests, running, check = self.requests, self.running, manager.check_commit
+        for request_id, num_computed, start, end in zip(ids, computed, offsets, offsets[1:], strict=False):
+            request = requests.get(request_id) or self.get(request_id)
             if request_id in running:
-                manager.check_commit(request, computed[i], counts[i])
-            commits.append(Commit(request, computed[i], tokens[offsets[i] : offsets[i + 1]]))
+                check(request, num_computed, end - start)
+            commits.append((request, num_computed, tokens[start:end]))
         return commits
 
 
-def _order(request: Request) -> tuple[int, int]:
-    return request.order
+#: ``Request.order`` without a Python call per request (sorting and bisecting).
+_order = attrgetter("priority", "arrival")
 
 
 def _check_settings(settings: pb.SessionSettings) -> None:

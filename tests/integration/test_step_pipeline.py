@@ -117,7 +117,12 @@ def daemon(workdir):
 
 
 def start_engine(
-    daemon: InProcessDaemon, name: str, max_num_seqs: int = 4, token_budget: int = 12, pipelined: bool = True
+    daemon: InProcessDaemon,
+    name: str,
+    max_num_seqs: int = 4,
+    token_budget: int = 12,
+    pipelined: bool = True,
+    make_runner=FakeRunner,
 ) -> Engine:
     client = daemon.client()
     engine = Engine(
@@ -126,7 +131,7 @@ def start_engine(
         attach=lambda: client.attach(name, LAYOUT),
         config=EngineConfig(max_num_seqs=max_num_seqs, token_budget=token_budget, pipelined=pipelined),
         eos_token_ids=set(),
-        make_runner=FakeRunner,
+        make_runner=make_runner,
     )
     engine.start()
     assert wait_for(lambda: engine.healthy, 10)
@@ -293,3 +298,22 @@ def test_an_engine_never_writes_once_its_lease_may_have_lapsed(daemon):
         assert wait_for(lambda: engine.session is not None and engine.session is not session, 10)  # attached again
     finally:
         engine.stop()
+
+
+def test_an_engine_detaches_only_after_its_forward_in_flight_wrote(daemon):
+    """The daemon gives a detached session's blocks (its fenced ones too) to
+    others at once: the engine must wait for its last forward first."""
+    log: list[str] = []
+
+    class RecordingRunner(FakeRunner):
+        def wait_for_writes(self) -> None:
+            log.append("wait")
+
+    engine = start_engine(daemon, "stopping", make_runner=RecordingRunner)
+    seq = submit(engine, [1, 2, 3, 4, 5], 10_000)
+    assert wait_for(lambda: len(seq.output_ids) >= 3, 10)
+    session = engine.session
+    real_detach = session.detach
+    session.detach = lambda: log.append("detach") or real_detach()
+    engine.stop()  # pipelined and decoding: a forward is in flight between Steps
+    assert log[-2:] == ["wait", "detach"]

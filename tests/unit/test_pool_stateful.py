@@ -3,7 +3,8 @@
 A small pool (16 blocks of 4 tokens) and a four-token vocabulary make prefixes collide,
 hit, get evicted and get preempted often. Each session is driven as an engine drives
 it, pipelined or not at each step: with a forward in flight, that forward's commits
-(and sampled tokens) arrive one Step late. After every rule the pool's accounting is
+(and sampled tokens) arrive one Step late, and no block that forward may be writing
+goes to another session until the session's next Step (the fence). After every rule the pool's accounting is
 checked against an independent model of who holds what and what was ever committed.
 The same machine runs once more with a host tier (24 slots) behind the pool, whose
 outgoing copies finish whenever the machine decides (the worker thread's part).
@@ -115,6 +116,11 @@ class PoolMachine(RuleBasedStateMachine):
         self.live: list[dict[str, ModelRequest]] = [{}, {}]  # per session, in arrival order
         self.released: list[list[str]] = [[], []]  # per session: ids whose release was confirmed
         self.forward: list[list[Row] | None] = [None, None]  # per session: a forward not sampled yet
+        # Per session: (request, block) pairs a forward of its engine may still
+        # be writing, as far as the daemon can know: the latest forward's, and
+        # while pipelined the one in flight at its last Step (the engine reads
+        # it after that Step's reply, while other sessions step).
+        self.writing: list[set[tuple[str, int]]] = [set(), set()]
         self.pending: list[dict[str, tuple[int, list[int]]]] = [{}, {}]  # sampled, not committed yet
         self.finishing: list[set[str]] = [set(), set()]  # done in the engine, not reported yet
         self.committed: set[tuple[bytes, tuple[int, ...]]] = set()  # (salt, full-block prefix) ever computed
@@ -272,10 +278,46 @@ class PoolMachine(RuleBasedStateMachine):
         if data.draw(st.booleans(), label="settings"):
             msg.settings.CopyFrom(pb.SessionSettings(max_num_seqs=data.draw(st.integers(1, 6)), token_budget=budget))
         self.finish_copies(data)
+        in_flight_writes = self.writes_of(sid, self.forward[sid]) if pipelined else set()
         self.run_and_check(sid, msg)
+        self.assert_not_handed_out(sid, in_flight_writes)
         if pipelined:
             self.sample_forward(data, sid)
         self.forward[sid] = [r for r in self.next_forward if r.request_id not in self.finishing[sid]]
+        self.writing[sid] = in_flight_writes | self.writes_of(sid, self.forward[sid])
+
+    def writes_of(self, sid: int, rows: list[Row] | None) -> set[tuple[str, int]]:
+        """The (request, block) pairs a forward of these rows writes: its
+        positions past the cached prefix (the engine never rewrites those)."""
+        requests = self.sessions[sid].requests
+        writes = set()
+        for row in rows or []:
+            blocks = requests[row.request_id].blocks
+            for position in range(max(row.first, row.num_cached), row.end):
+                writes.add((row.request_id, blocks[position // BS].block_id))
+        return writes
+
+    def assert_not_handed_out(self, sid: int, writes: set[tuple[str, int]]) -> None:
+        """Each block a forward of session ``sid`` may be writing is held by
+        that session (a request of its own, whose forward runs after this one,
+        or its fence): not free, not another session's (the daemon cannot
+        know that forward is done), not pinned, not indexed."""
+        if not writes:
+            return
+        holders: dict[int, set[int]] = {}
+        for other, session in enumerate(self.sessions):
+            for request in session.requests.values():
+                for block in request.blocks:
+                    holders.setdefault(block.block_id, set()).add(other)
+        fenced = {b.block_id for b in self.sessions[sid].fenced}
+        pinned = {b for ids in self.pinned.values() for b in ids}
+        for request_id, block_id in writes:
+            block = self.pool.blocks[block_id]
+            held_by = holders.get(block_id, set())
+            assert block.prev_free is None, f"{block} is free while {request_id} of session {sid} writes it"
+            assert held_by <= {sid}, f"{block} handed to session {held_by} while {request_id} of {sid} writes it"
+            assert held_by or block_id in fenced, f"{block} left {request_id} but is not fenced"
+            assert block_id not in pinned and block.block_hash is None, block
 
     def run_and_check(self, sid: int, msg: pb.StepRequest) -> None:
         """Runs one step and checks its reply against the model, then updates the model."""
@@ -457,9 +499,12 @@ class PoolMachine(RuleBasedStateMachine):
     def lifecycle(self, sid, what):
         """An engine goes away (its session's blocks are all released), or an operator resets the cache."""
         if what == "close session":
-            assert self.registry.close(self.sessions[sid].session_id, self.manager) == len(self.live[sid])
+            closed = self.sessions[sid]
+            assert self.registry.close(closed.session_id, self.manager) == len(self.live[sid])
+            assert closed.fenced == [], "an ended session's fenced blocks come back"
             self.sessions[sid] = self.registry.open(f"e{sid}")
             self.live[sid], self.released[sid], self.forward[sid] = {}, [], None
+            self.writing[sid] = set()  # the engine detaches after its last forward
             self.pending[sid], self.finishing[sid] = {}, set()
             return
         before = self.snapshot()
@@ -503,6 +548,8 @@ class PoolMachine(RuleBasedStateMachine):
             assert [b.block_id for b in blocks] == self.pinned[pid]
             holders.update(b.block_id for b in blocks)
         holders.update(b.block_id for b, _ in self.copies_out)  # each outgoing copy holds its block
+        for session in self.sessions:  # and a session's fence, each block it fenced
+            holders.update(b.block_id for b in session.fenced)
         assert set(self.pins.pins) == set(self.pinned)
         for block in self.pool.blocks:
             assert block.ref_cnt == holders[block.block_id], block
@@ -532,6 +579,19 @@ class PoolMachine(RuleBasedStateMachine):
         assert {s.slot_id for _, s in self.copies_out} == {s.slot_id for s in host.writing.values()}
         assert all(s.readers == 0 for s in host.slots) and host.num_read == 0, "a swap-in outlived its step"
         assert set(host.cached) <= self.committed_hashes, "the host holds a hash nobody committed"
+
+    @invariant()
+    def no_block_is_handed_to_another_while_a_forward_may_write_it(self):
+        for sid in range(len(self.sessions)):
+            self.assert_not_handed_out(sid, self.writing[sid])
+
+    @invariant()
+    def fenced_blocks_are_held_only_by_the_fence(self):
+        for session in self.sessions:
+            for block in session.fenced:
+                assert block.block_hash is None and block.ref_cnt == 1, block
+            ids = [b.block_id for b in session.fenced]
+            assert len(set(ids)) == len(ids), "a block fenced twice"
 
     @invariant()
     def pinned_blocks_are_never_free(self):

@@ -222,9 +222,13 @@ def test_cancelling_a_request_with_its_last_commit_frees_after_committing():
     reply = step(manager, session, in_flight=True)
     reply = step(manager, session, done=[("a", 7, [7])], finished=["a"], in_flight=True)
     assert list(reply.released) == ["a"] and spans(reply) == []
-    assert len(pool.cached) == 1 and pool.num_free == 16  # its full block was cached before the free
+    # Its full block was cached before the free; forward 2 still writes its
+    # position 7, so that block stays fenced until the next Step.
+    assert len(pool.cached) == 1 and pool.num_free == 15
     with pytest.raises(ValueError, match="already released"):
         step(manager, session, done=[("a", 8, [1])])
+    step(manager, session)
+    assert pool.num_free == 16
 
 
 def test_a_waiting_request_can_be_cancelled():
@@ -280,6 +284,80 @@ def test_a_step_that_preempted_admits_nobody():
     reply = step(manager, session, done=[("old", 8, [8]), ("new", 6, [106])], new_requests=[new("tiny", [1])])
     assert list(reply.preempted) == ["new"]
     assert "tiny" not in session.running and reply.num_waiting == 2
+
+
+# ----------------------------------------- the fence: a forward in flight
+
+
+def two_sessions_on_a_full_pool():
+    """4 blocks: session a runs "old" (8 tokens, 2 blocks) and "new" (6 tokens,
+    2 blocks), both in forward 1, not committed yet; session b is empty."""
+    registry = SessionRegistry(60)
+    pool = BlockPool(4)
+    manager = KVCacheManager(pool, BS)
+    a, b = registry.open("a"), registry.open("b")
+    step(manager, a, new_requests=[new("old", list(range(8))), new("new", list(range(100, 106)))])
+    assert pool.num_free == 0
+    return registry, pool, manager, a, b
+
+
+def test_a_victim_of_a_forward_in_flight_is_fenced_from_other_sessions():
+    registry, pool, manager, a, b = two_sessions_on_a_full_pool()
+    new_blocks = [blk.block_id for blk in a.requests["new"].blocks]
+    # Step 2 while forward 1 (writing both prompts) runs: old's speculative
+    # slot needs a block, so new is preempted. Its blocks are still being
+    # written: old (same engine, its forward 2 runs after forward 1) may take
+    # one, the other stays fenced, out of the pool.
+    reply = step(manager, a, in_flight=True)
+    assert list(reply.preempted) == ["new"] and spans(reply) == [("old", 8, 1)]
+    assert rows(reply)[0][4] == new_blocks[:1]
+    assert [blk.block_id for blk in a.fenced] == new_blocks[1:] and pool.num_free == 0
+    # Session b (another engine) asks now: nothing for it, forward 1 may still write.
+    reply = step(manager, b, new_requests=[new("other", [7, 7, 7])])
+    assert spans(reply) == [] and reply.num_waiting == 1
+    # a's next Step comes after it read forward 1: the fence lifts.
+    step(manager, a, done=[("old", 8, [8]), ("new", 6, [106])], in_flight=True)
+    assert a.fenced == []
+    reply = step(manager, b)
+    assert [(rid, blocks) for rid, *_, blocks in rows(reply)] == [("other", new_blocks[1:])]
+
+
+def test_only_the_blocks_a_forward_may_write_are_fenced():
+    pool, manager, session = make(5)
+    step(
+        manager, session, new_requests=[new("done", list(range(8)), max_new_tokens=0), new("r", list(range(100, 106)))]
+    )
+    step(manager, session, done=[("done", 8), ("r", 6, [106])])  # forward 2 computes r's position 6
+    cached, writing = session.requests["r"].blocks
+    assert cached.block_hash is not None and writing.block_hash is None
+    # r ends while forward 2 still writes its second block (a real engine waits;
+    # the daemon does not rely on it): its committed, cached block is never
+    # written again and goes back at once, the other is fenced.
+    step(manager, session, finished=["r"], in_flight=True)
+    assert cached.ref_cnt == 0 and cached.prev_free is not None
+    assert session.fenced == [writing] and writing.ref_cnt == 1 and writing.prev_free is None
+
+
+def test_a_step_without_a_forward_in_flight_fences_nothing():
+    pool, manager, session = fill_pool_with_two_requests()
+    reply = step(manager, session, done=[("old", 8, [8]), ("new", 6, [106])])
+    assert list(reply.preempted) == ["new"] and session.fenced == [] and pool.num_free == 1  # old took one
+
+
+def test_an_ended_session_gives_back_its_fenced_blocks():
+    registry, pool, manager, a, b = two_sessions_on_a_full_pool()
+    step(manager, a, in_flight=True)
+    assert len(a.fenced) == 1
+    assert registry.close(a.session_id, manager) == 2
+    assert pool.num_free == 4 and a.fenced == []
+
+
+def test_a_bad_step_keeps_the_fence():
+    registry, pool, manager, a, b = two_sessions_on_a_full_pool()
+    step(manager, a, in_flight=True)
+    with pytest.raises(NotFoundError):
+        step(manager, a, finished=["nobody"])
+    assert len(a.fenced) == 1 and pool.num_free == 0
 
 
 # ------------------------------------------------------------------ fairness
