@@ -31,8 +31,7 @@ from dataclasses import dataclass
 from operator import attrgetter
 
 from kvd.block import Block
-from kvd.cache_manager import DEFERRED, KVCacheManager
-from kvd.request import Request
+from kvd.cache_manager import DEFERRED, KVCacheManager, Request
 from kvd.session import Session
 from kvd_api.daemon.v1 import daemon_pb2 as pb
 

@@ -9,11 +9,10 @@ from collections.abc import Iterator
 import grpc
 
 from kvd import wire
-from kvd.block_pool import DEVICE, HOST, AllCleared, BlockEvent, BlockRemoved, BlockStored
+from kvd.block_pool import DEVICE, HOST, AllCleared, BlockEvent, BlockRemoved, BlockStored, FreeBlockQueue
 from kvd.daemon import Daemon
 from kvd.errors import CapacityError, NotFoundError, PreconditionError
 from kvd.events import EventsSnapshot
-from kvd.free_queue import FreeBlockQueue
 from kvd.grpc_server import Server, StatusTable
 from kvd.grpc_server import build_server as build_grpc_server
 from kvd.metrics import DaemonMetrics

@@ -39,11 +39,10 @@ from itertools import accumulate
 from operator import attrgetter
 
 from kvd.block import Block
-from kvd.cache_manager import KVCacheManager
+from kvd.cache_manager import KVCacheManager, Request
 from kvd.errors import NotFoundError
 from kvd.hashing import token_bytes
 from kvd.process_identity import ProcessIdentity
-from kvd.request import Request
 from kvd_api.daemon.v1 import daemon_pb2 as pb
 
 #: Freed request ids remembered per session, to tell a double free (a caller

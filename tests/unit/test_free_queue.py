@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvd.block import Block
-from kvd.free_queue import FreeBlockQueue
+from kvd.block_pool import FreeBlockQueue
 
 
 def make_queue(n: int) -> tuple[list[Block], FreeBlockQueue]:
