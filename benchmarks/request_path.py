@@ -6,9 +6,13 @@ records the source file of every Python function called while a marker file
 exists. One warm-up Generate, then the marker is created, one Generate of
 4 new tokens runs, the marker is removed and each process writes what it saw.
 Counted: files inside this repository (the generated protobuf package
-included, as the code a request runs through). Background work that happens
-in the same window (lease heartbeats, health checks) is counted too: it is
-what a process does while serving.
+included, as the code a request runs through), each with the thread that ran
+it. ``request_path`` is what the request's own threads ran (gRPC handlers, the
+engine's loop, the daemon's offload copier): what a reader follows from
+Generate to the last token. ``files`` adds what the timer and relay threads
+ran in the same window (lease reaper and heartbeats, health checks, the
+template keeper, the gateway's block-event and load relays): what a process
+does while serving, whether or not this request caused it.
 
     .venv/bin/python benchmarks/request_path.py --json FILE
 """
@@ -41,7 +45,7 @@ if _out:
 
     def _profile(frame, event, arg):
         if _active[0] and event == "call":
-            _seen.add(frame.f_code.co_filename)
+            _seen.add((threading.current_thread().name, frame.f_code.co_filename))
 
     def _watch():
         while True:
@@ -51,9 +55,9 @@ if _out:
                 _active[0] = True
             elif not on and _active[0]:
                 _active[0] = False
-                files = sorted(f for f in _seen if f.startswith(_root) and "/.venv/" not in f)
+                seen = sorted(f"{t}\\t{f}" for t, f in _seen if f.startswith(_root) and "/.venv/" not in f)
                 with open(f"{_out}.{os.getpid()}", "w") as fh:
-                    fh.write("\\n".join([" ".join(sys.argv)] + files))
+                    fh.write("\\n".join([" ".join(sys.argv)] + seen))
             time.sleep(0.02)
 
     sys.setprofile(_profile)
@@ -81,7 +85,12 @@ def wait_ready(address: str, timeout_s: float) -> None:
                 time.sleep(1.0)
 
 
-def trace(work: Path) -> dict[str, list[str]]:
+#: Threads that run on timers or relay streams, not for one request (their names in the code).
+BACKGROUND_THREADS = ("kvd-reaper", "kvd-heartbeat", "replica-monitor", "template-keeper", "events-", "load-",
+                      "trace-watch")  # fmt: skip
+
+
+def trace(work: Path) -> dict[str, dict[str, list[str]]]:
     hook = work / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(SITECUSTOMIZE)
@@ -111,11 +120,16 @@ def trace(work: Path) -> dict[str, list[str]]:
     finally:
         serve.send_signal(signal.SIGINT)
         serve.wait(timeout=60)
-    per_process: dict[str, list[str]] = {}
+    per_process: dict[str, dict[str, list[str]]] = {}
     for path in sorted(work.glob("files.*")):
-        argv, *files = path.read_text().splitlines()
+        argv, *lines = path.read_text().splitlines()
         name = next((m for m in ("gateway.cli", "inference.cli", "kvd.cli", "inference.stack") if m in argv), argv)
-        per_process[name] = [str(Path(f).relative_to(ROOT)) for f in files]
+        split: dict[str, set[str]] = {"request_path": set(), "background": set()}
+        for line in lines:
+            thread, file = line.split("\t", 1)
+            kind = "background" if thread.startswith(BACKGROUND_THREADS) else "request_path"
+            split[kind].add(str(Path(file).relative_to(ROOT)))
+        per_process[name] = {kind: sorted(files) for kind, files in split.items()}
     return per_process
 
 
@@ -125,13 +139,19 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvd-path-") as tmp:
         per_process = trace(Path(tmp))
-    union = sorted({f for files in per_process.values() for f in files})
+    union = sorted({f for split in per_process.values() for files in split.values() for f in files})
     own = [f for f in union if not f.startswith("protos/")]
+    on_path = sorted({f for split in per_process.values() for f in split["request_path"]})
     results = {
-        "per_process": {name: {"files": len(files), "paths": files} for name, files in per_process.items()},
+        "per_process": {
+            name: {"files": len(set(split["request_path"]) | set(split["background"])), **split}
+            for name, split in per_process.items()
+        },
         "files": len(union),
         "project_files_excluding_generated": len(own),
         "paths": union,
+        "request_path_files": len(on_path),
+        "request_path": on_path,
     }
     common.write_json(
         args.json,
@@ -144,9 +164,9 @@ def main() -> int:
             "ratios": {},
         },
     )
-    print(f"{len(union)} files ({len(own)} without generated protobuf code):")
+    print(f"{len(on_path)} files on the request's own threads; {len(union)} with background threads:")
     for f in union:
-        print("  ", f)
+        print("  ", f, "" if f in on_path else "(background only)")
     return 0
 
 
