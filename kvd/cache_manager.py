@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from kvd.block import Block
 from kvd.block_pool import BlockPool
@@ -58,7 +59,12 @@ class Request:
     @property
     def order(self) -> tuple[int, int]:
         """Its place in the schedule: priority, then arrival."""
-        return (self.priority, self.arrival)
+        return schedule_order(self)
+
+
+#: ``Request.order`` as a key function: an attrgetter, so sorting and
+#: bisecting a Step's requests make no Python call per request.
+schedule_order = attrgetter("priority", "arrival")
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,10 +28,10 @@ Step on.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from operator import attrgetter
 
 from kvd.block import Block
 from kvd.cache_manager import DEFERRED, KVCacheManager, Request
+from kvd.cache_manager import schedule_order as _order
 from kvd.session import Session
 from kvd_api.daemon.v1 import daemon_pb2 as pb
 
@@ -196,8 +196,3 @@ def _reply(rows: list[_Row]) -> pb.StepResponse:
     if any(r.num_host_cached_tokens for r in rows):
         s.num_host_cached_tokens.extend([r.num_host_cached_tokens for r in rows])
     return reply
-
-
-#: A request's place in the schedule (``Request.order``), read without a
-#: Python call per request: the sort key of every Step's running requests.
-_order = attrgetter("priority", "arrival")

@@ -36,10 +36,10 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
-from operator import attrgetter
 
 from kvd.block import Block
 from kvd.cache_manager import KVCacheManager, Request
+from kvd.cache_manager import schedule_order as _order
 from kvd.errors import NotFoundError
 from kvd.hashing import token_bytes
 from kvd.process_identity import ProcessIdentity
@@ -244,10 +244,6 @@ class Session:
                 check(request, num_computed, end - start)
             commits.append((request, num_computed, tokens[start:end]))
         return commits
-
-
-#: ``Request.order`` without a Python call per request (sorting and bisecting).
-_order = attrgetter("priority", "arrival")
 
 
 def _check_settings(settings: pb.SessionSettings) -> None:
