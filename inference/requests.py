@@ -35,7 +35,6 @@ from kvd_api.daemon.v1 import daemon_pb2 as pb
 MAX_PROMPT_TOKENS_PER_STEP = 131_072
 
 
-
 class Finish(enum.Enum):
     LENGTH = "length"
     STOP = "stop"
