@@ -407,7 +407,9 @@ class Router:
         """The least estimated time to first token: the prefill work queued
         there and this request's uncached tokens (weighted) over its rate."""
         tokens = max(key.num_tokens, len(key.keys) * key.block_size)
-        weight = self._work_weight(candidates)
+        # Prefill work queued on each: as last reported, plus what this gateway sent since.
+        queued_tokens = [r.rate[0] + r.uncovered for r in candidates]
+        weight = self._work_weight(sum(queued_tokens) / len(candidates))
         fleet = None if all(r.measured for r in candidates) else self._fleet_rate(candidates)
         # A prefix most of the fleet holds (a common system prompt) counts as
         # held everywhere: a replica that lacks it computes it once and then
@@ -416,12 +418,11 @@ class Router:
         half = len(candidates) // 2
         common = sorted(held.values(), reverse=True)[half] if len(held) > half else 0
         best, tied = math.inf, []
-        for r in candidates:
+        for r, queued in zip(candidates, queued_tokens, strict=True):
             uncached = max(1, tokens - max(held.get(r.slot, 0), common) * key.block_size)
-            reported, forward_s, token_s, budget = r.rate
+            _, forward_s, token_s, budget = r.rate
             if fleet is not None and not r.measured:
                 forward_s, token_s = fleet
-            queued = reported + r.uncovered
             cost = -(-(queued + uncached) // budget) * forward_s + (queued + weight * uncached) * token_s
             if cost < best - 1e-9:  # equal estimates may differ in the last bits
                 best, tied = cost, [r]
@@ -439,7 +440,7 @@ class Router:
         first = rendezvous(tie_key, (r.address for r in tied))[0]
         return next(r for r in tied if r.address == first)
 
-    def _work_weight(self, candidates: list[ReplicaState]) -> float:
+    def _work_weight(self, queued_per_replica: float) -> float:
         """How much this request's own uncached token weighs against a queued one.
 
         Its work delays every request that will queue behind it: as many, in
@@ -450,8 +451,7 @@ class Router:
         """
         if self._mean_work <= 0:
             return self.config.work_weight
-        queued = sum(r.rate[0] + r.uncovered for r in candidates) / len(candidates)
-        return max(self.config.work_weight, queued / self._mean_work)
+        return max(self.config.work_weight, queued_per_replica / self._mean_work)
 
     def _rate(self, load: Load | None) -> tuple[tuple[int, float, float, int], bool]:
         """The estimate's terms from a report, and whether its rate was measured."""
