@@ -82,15 +82,10 @@ class FreeBlockQueue:
 
     def remove(self, block: Block) -> None:
         """Unlinks ``block`` from anywhere in the queue in O(1)."""
-        prev, nxt = block.prev_free, block.next_free
-        assert prev is not None and nxt is not None, f"{block} is not in the free queue"
-        prev.next_free = nxt
-        nxt.prev_free = prev
-        block.prev_free = block.next_free = None
-        self.num_free -= 1
+        self.remove_n((block,))
 
     def remove_n(self, blocks: Iterable[Block]) -> None:
-        """Unlinks each of ``blocks`` (``remove`` without a call per block)."""
+        """Unlinks each of ``blocks``, wherever it is (one call for a request's blocks)."""
         count = 0
         try:
             for block in blocks:
@@ -105,13 +100,11 @@ class FreeBlockQueue:
 
     def append(self, block: Block) -> None:
         """Links ``block`` at the tail (evicted last)."""
-        self._link_before(self._tail, block)
+        self.append_n((block,))
 
     def appendleft(self, block: Block) -> None:
         """Links ``block`` at the head (reused first)."""
-        nxt = self._head.next_free
-        assert nxt is not None
-        self._link_before(nxt, block)
+        self.appendleft_n((block,))
 
     def append_n(self, blocks: Iterable[Block]) -> None:
         """Links ``blocks`` at the tail, in order (the last is evicted last)."""
@@ -123,28 +116,16 @@ class FreeBlockQueue:
         assert nxt is not None
         self._link_run_before(nxt, blocks)
 
-    def _link_before(self, node: Block, block: Block) -> None:
-        # NOTE: these asserts are what keeps a double free from corrupting the
-        # list (vLLM #42571): a linked or referenced block never enters twice.
-        assert block.prev_free is None and block.next_free is None, f"{block} is already free"
-        assert block.ref_cnt == 0, f"{block} is still referenced"
-        prev = node.prev_free
-        assert prev is not None
-        prev.next_free = block
-        block.prev_free = prev
-        block.next_free = node
-        node.prev_free = block
-        self.num_free += 1
-
     def _link_run_before(self, node: Block, blocks: Iterable[Block]) -> None:
-        """``_link_before`` for a run of blocks, chained in one pass (a
-        request's blocks are freed together: one call, not one per block)."""
+        """Links ``blocks`` before ``node``, chained in one pass (a request's
+        blocks are freed together: one call, not one per block)."""
         prev = node.prev_free
         assert prev is not None
         count = 0
         try:
             for block in blocks:
-                # NOTE: the same double-free guards as _link_before.
+                # NOTE: these asserts are what keeps a double free from corrupting
+                # the list (vLLM #42571): a linked or referenced block never enters twice.
                 assert block.prev_free is None and block.next_free is None, f"{block} is already free"
                 assert block.ref_cnt == 0, f"{block} is still referenced"
                 prev.next_free = block
