@@ -21,7 +21,7 @@ from kvd.block_pool import BlockEvent, BlockPool
 from kvd.cache_manager import KVCacheManager
 from kvd.config import DaemonConfig
 from kvd.errors import PreconditionError
-from kvd.hashing import encode_extra_keys, sequence_block_hashes
+from kvd.hashing import encode_extra_keys, hash_blocks, pack_tokens
 from kvd.host_tier import HostTier
 from kvd.layout import CacheLayout
 from kvd.memory import KVMemory
@@ -102,7 +102,7 @@ class KVCache:
         return self.copier is None or self.copier.drain(timeout_s)
 
     def block_hashes(self, token_ids: Sequence[int], cache_salt: bytes, extra_keys: Sequence[bytes]) -> list[bytes]:
-        return sequence_block_hashes(token_ids, self.block_size, encode_extra_keys(cache_salt, extra_keys))
+        return hash_blocks(pack_tokens(token_ids), self.block_size, encode_extra_keys(cache_salt, extra_keys))
 
     def lookup(self, hashes: Sequence[bytes]) -> tuple[list[bytes], int]:
         """The leading ``hashes`` cached on the device, and how many blocks after them the host tier holds."""

@@ -3,13 +3,14 @@ and the block operations its scheduler asks for."""
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 
 from kvd.block import Block
 from kvd.block_pool import BlockPool
-from kvd.hashing import ROOT_HASH, chain_block_hashes, encode_extra_keys, sequence_block_hashes, token_bytes
+from kvd.hashing import ROOT_HASH, encode_extra_keys, hash_blocks, pack_tokens, token_bytes
 from kvd.host_tier import HostSlot, HostTier
 
 
@@ -26,7 +27,8 @@ class Request:
 
     Attributes:
         request_id: the engine's id, unique within its session.
-        token_ids: every token known so far (prompt, then sampled tokens).
+        token_ids: every token known so far (prompt, then sampled tokens),
+            packed (4 bytes a token: a long prompt may wait a while).
         extra: the encoded hash namespaces (cache salt, extra keys).
         block_hashes: hashes of the full blocks of ``token_ids``, computed
             once, as blocks fill.
@@ -43,7 +45,7 @@ class Request:
     """
 
     request_id: str
-    token_ids: list[int]
+    token_ids: array  # of 'I'
     extra: bytes
     block_hashes: list[bytes] = field(default_factory=list)
     blocks: list[Block] = field(default_factory=list)
@@ -108,10 +110,14 @@ class KVCacheManager:
         # full blocks to the host tier, host hits back to their new blocks.
         self.offloads: list[tuple[Block, HostSlot]] = []
         self.swap_ins: list[tuple[HostSlot, Block]] = []
-        # Prompt blocks a running request has been admitted to compute, by
-        # hash: a newcomer whose next block is one of these waits for it to be
-        # committed instead of computing a duplicate (a burst of requests with
-        # one new long prefix computes it once).
+        # The next block each running request will compute, by hash, while
+        # it has known blocks left to compute: a newcomer whose next block is
+        # one of these waits for it to be committed instead of computing a
+        # duplicate (a burst of requests with one new long prefix computes it
+        # once). One entry a request is enough: hashes chain, so a newcomer
+        # sharing any block a request has still to compute shares that
+        # request's next one, and misses there (every block before it is
+        # committed, so indexed, while the request holds it).
         self.inflight: dict[bytes, Request] = {}
         self.query_tokens = 0
         self.hit_tokens = 0
@@ -130,8 +136,8 @@ class KVCacheManager:
         if not token_ids:
             raise ValueError(f"request {request_id!r}: token_ids is empty")
         extra = encode_extra_keys(cache_salt, extra_keys)
-        tokens = list(token_ids)
-        hashes = sequence_block_hashes(tokens, self.block_size, extra)
+        tokens = pack_tokens(token_ids)  # checks every id, once
+        hashes = hash_blocks(tokens, self.block_size, extra)
         return Request(request_id=request_id, token_ids=tokens, extra=extra, block_hashes=hashes)
 
     def lookup(self, block_hashes: Sequence[bytes]) -> int:
@@ -179,10 +185,10 @@ class KVCacheManager:
             return None
         blocks_needed = max(0, self._blocks_for(first + num_new) - len(hits))
         # A free cached block that we hit leaves the free queue too.
-        num_hits_free = len([block for block in hits if block.ref_cnt == 0])
-        if blocks_needed + num_hits_free > self.pool.num_free + (len(fence) if fence else 0):
+        free_hits = [block for block in hits if block.ref_cnt == 0]
+        if blocks_needed + len(free_hits) > self.pool.num_free + (len(fence) if fence else 0):
             return None
-        self.pool.touch(hits)
+        self.pool.touch(hits, free_hits)
         new_blocks = self._allocate(blocks_needed, fence)
         assert new_blocks is not None, "capacity was checked above"
         request.blocks = self._swap_in(cached, hashes, new_blocks) if num_host_hits else hits + new_blocks
@@ -190,9 +196,8 @@ class KVCacheManager:
         request.num_computed_tokens = first
         request.num_scheduled_tokens = first + num_new
         request.num_indexed_blocks = len(cached)
-        inflight = self.inflight
-        for block_hash in hashes[len(cached) :]:
-            inflight.setdefault(block_hash, request)
+        if len(cached) < len(hashes):
+            self.inflight.setdefault(hashes[len(cached)], request)
         host_tokens = num_host_hits * self.block_size
         self.query_tokens += num_tokens
         self.hit_tokens += num_cached
@@ -300,19 +305,13 @@ class KVCacheManager:
         hashes = request.block_hashes
         if len(hashes) < full:
             parent = hashes[-1] if hashes else ROOT_HASH
-            hashes.extend(
-                chain_block_hashes(
-                    request.token_ids[: full * self.block_size],
-                    self.block_size,
-                    request.extra,
-                    parent=parent,
-                    start_block=len(hashes),
-                )
-            )
+            hashes.extend(hash_blocks(request.token_ids, self.block_size, request.extra, parent, len(hashes), full))
         start = request.num_indexed_blocks
+        self._forget_inflight(request)
         stored = self.pool.cache_blocks(request.blocks[start:full], hashes[start:full])
         request.num_indexed_blocks = full
-        self._forget_inflight(request, hashes[start:full])
+        if full < len(hashes):  # more of its prompt to compute: its next block
+            self.inflight.setdefault(hashes[full], request)
         if self.host is not None and stored:
             self._offload(stored)
 
@@ -346,7 +345,7 @@ class KVCacheManager:
                 now: they are full and committed, and no forward writes into
                 them (the engine writes only positions past its cached prefix).
         """
-        self._forget_inflight(request, request.block_hashes[request.num_indexed_blocks :])
+        self._forget_inflight(request)
         blocks = request.blocks
         if fence is not None:
             fence.extend([block for block in blocks if block.block_hash is None])
@@ -369,12 +368,11 @@ class KVCacheManager:
         assert rest is not None, "capacity was checked above"
         return taken + rest
 
-    def _forget_inflight(self, request: Request, block_hashes: Sequence[bytes]) -> None:
-        inflight = self.inflight
-        if inflight:
-            for block_hash in block_hashes:
-                if inflight.get(block_hash) is request:
-                    del inflight[block_hash]
+    def _forget_inflight(self, request: Request) -> None:
+        """Drops the request's entry: its first block not indexed yet."""
+        hashes, start = request.block_hashes, request.num_indexed_blocks
+        if start < len(hashes) and self.inflight.get(hashes[start]) is request:
+            del self.inflight[hashes[start]]
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

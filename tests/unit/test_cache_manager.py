@@ -277,7 +277,7 @@ def test_decode_tokens_that_fill_a_block_are_cached_and_hit_later():
     for position, sampled in ((6, 8), (7, 9)):
         manager.append(request, 1)
         manager.commit(request, position + 1, [sampled])
-    assert request.token_ids == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert list(request.token_ids) == [1, 2, 3, 4, 5, 6, 7, 8, 9]
     assert request.blocks[1].block_hash == hashes([1, 2, 3, 4, 5, 6, 7, 8])[1]
     assert manager.lookup(hashes([1, 2, 3, 4, 5, 6, 7, 8, 42])) == 8
     later = manager.new_request("later", [1, 2, 3, 4, 5, 6, 7, 8, 42])

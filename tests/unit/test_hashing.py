@@ -9,7 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvd.hashing import MAX_TOKEN_ID, ROOT_HASH, chain_block_hashes, encode_extra_keys, token_bytes
+from kvd.hashing import (
+    MAX_TOKEN_ID,
+    ROOT_HASH,
+    chain_block_hashes,
+    encode_extra_keys,
+    hash_blocks,
+    pack_tokens,
+    token_bytes,
+)
 
 BS = 4
 NO_EXTRA = encode_extra_keys()
@@ -146,6 +154,28 @@ def test_continuing_from_a_parent_equals_hashing_all_at_once(tokens, data):
     start = data.draw(st.integers(0, len(whole)), label="start_block")
     parent = whole[start - 1] if start else ROOT_HASH
     assert chain_block_hashes(tokens, BS, extra, parent=parent, start_block=start) == whole[start:]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, MAX_TOKEN_ID), max_size=6 * BS), st.data())
+def test_hashing_packed_ids_between_two_blocks_equals_the_chain(tokens, data):
+    # The daemon keeps a request's ids packed and hashes blocks as they fill
+    # (hash_blocks); the gateway hashes lists (chain_block_hashes): one identity.
+    extra = encode_extra_keys(b"salt")
+    whole = chain_block_hashes(tokens, BS, extra)
+    packed = pack_tokens(tokens)
+    assert hash_blocks(packed, BS, extra) == whole
+    start = data.draw(st.integers(0, len(whole)), label="start_block")
+    end = data.draw(st.integers(start, len(whole) + 2), label="end_block")
+    parent = whole[start - 1] if start else ROOT_HASH
+    assert hash_blocks(packed, BS, extra, parent, start, end) == whole[start:end]
+
+
+def test_packed_ids_are_checked_once_and_compact():
+    packed = pack_tokens([0, 5, MAX_TOKEN_ID])
+    assert list(packed) == [0, 5, MAX_TOKEN_ID] and packed.itemsize == 4
+    with pytest.raises(ValueError, match="token ids"):
+        pack_tokens([1, -1])
 
 
 def test_start_block_past_the_full_blocks_hashes_nothing():

@@ -615,7 +615,7 @@ class PoolMachine(RuleBasedStateMachine):
             assert set(session.running) == {rid for rid, r in live.items() if r.running}
             for rid, model in live.items():
                 request = session.requests[rid]
-                assert request.token_ids == model.tokens
+                assert list(request.token_ids) == model.tokens
                 assert request.num_computed_tokens == model.computed
                 assert request.num_scheduled_tokens == model.scheduled
                 assert len(request.blocks) == blocks_for(model.scheduled)
@@ -647,7 +647,7 @@ class PoolMachine(RuleBasedStateMachine):
         running = {id(r) for session in self.sessions for r in session.running.values()}
         for block_hash, request in self.manager.inflight.items():
             assert id(request) in running, "a finished request still claims an in-flight block"
-            assert block_hash in request.block_hashes[request.num_indexed_blocks :]
+            assert block_hash == request.block_hashes[request.num_indexed_blocks], "not its next block"
 
     def teardown(self):
         while self.copies_out:

@@ -116,8 +116,8 @@ def test_the_prompt_crosses_once_and_is_hashed_once(monkeypatch):
     import kvd.cache_manager as cm
 
     calls = []
-    real = cm.sequence_block_hashes
-    monkeypatch.setattr(cm, "sequence_block_hashes", lambda *a: calls.append(1) or real(*a))
+    real = cm.hash_blocks
+    monkeypatch.setattr(cm, "hash_blocks", lambda *a: calls.append(1) or real(*a))
     _, manager, session = make(4)
     step(manager, session, new_requests=[new("a", list(range(16))), new("big", list(range(100, 140)))])
     for _ in range(5):  # "big" does not fit: it waits without being sent or hashed again
@@ -212,7 +212,7 @@ def test_a_late_commit_of_a_preempted_request_appends_its_token():
     assert list(reply.preempted) == ["new"] and spans(reply) == [("old", 8, 1)]
     # Forward 1's results arrive: new's sampled token is kept while it waits.
     reply = step(manager, session, done=[("old", 8, [8]), ("new", 6, [106])], in_flight=True)
-    assert session.requests["new"].token_ids == list(range(100, 107))
+    assert list(session.requests["new"].token_ids) == list(range(100, 107))
     assert "new" not in session.running and reply.num_waiting == 1
 
 
