@@ -27,8 +27,6 @@ Step on.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from kvd.block import Block
 from kvd.cache_manager import DEFERRED, KVCacheManager, Request
 from kvd.cache_manager import schedule_order as _order
@@ -40,14 +38,12 @@ from kvd_api.daemon.v1 import daemon_pb2 as pb
 ADMISSION_LOOKAHEAD = 8
 
 
-@dataclass(slots=True)
-class _Row:
-    request: Request
-    first_position: int
-    num_tokens: int
-    new_blocks: list[Block]
-    num_cached_tokens: int = 0
-    num_host_cached_tokens: int = 0
+#: One scheduled chunk: (request, first_position, num_tokens, new_blocks,
+#: num_cached_tokens, num_host_cached_tokens). NOTE: a tuple, not a class: a
+#: decode Step makes one per running request, and the reply transposes them
+#: in one call (``zip(*rows)``).
+_Row = tuple[Request, int, int, list[Block], int, int]
+_REQUEST, _NUM_TOKENS = 0, 2
 
 
 def run_step(
@@ -83,23 +79,12 @@ def schedule(
     if not preempted and budget > 0 and (block_cap is None or session.num_blocks_held < block_cap):
         _admit(manager, session, budget, rows)
     for row in rows:
-        row.request.last_step = session.steps
+        row[_REQUEST].last_step = session.steps
     reply = _reply(rows)
     reply.preempted.extend(preempted)
     reply.num_waiting = len(session.waiting)
     reply.num_free_blocks = manager.pool.num_free
     return reply
-
-
-def wanted_tokens(request: Request, forward_in_flight: bool, step: int) -> int:
-    """Tokens a running request wants scheduled in step ``step``."""
-    known = len(request.token_ids)
-    end = known
-    # Its last chunk ended at its last known token, in the forward now in
-    # flight: that forward samples its next token, whose slot we give now.
-    if forward_in_flight and request.last_step == step - 1 and request.num_scheduled_tokens == known:
-        end = known + 1
-    return max(0, min(end, request.max_end) - request.num_scheduled_tokens)
 
 
 def _schedule_running(
@@ -109,10 +94,18 @@ def _schedule_running(
     budget = session.token_budget
     decodes: list[tuple[Request, int]] = []
     prefills: list[tuple[Request, int]] = []
-    step, running, fence = session.steps, session.running, session.fenced
+    last_step, running, fence = session.steps - 1, session.running, session.fenced
     for request in sorted(running.values(), key=_order):
-        wanted = wanted_tokens(request, forward_in_flight, step)
-        if wanted:
+        # What it wants: every known token without a slot, and, when its last
+        # chunk ended at its last known token in the forward now in flight,
+        # the slot of the token that forward samples for it. (Inline: this
+        # runs for every running request, each Step.)
+        end = known = len(request.token_ids)
+        scheduled = request.num_scheduled_tokens
+        if forward_in_flight and scheduled == known and request.last_step == last_step:
+            end = known + 1
+        wanted = (end if end < request.max_end else request.max_end) - scheduled
+        if wanted > 0:
             (decodes if wanted == 1 else prefills).append((request, wanted))
     append = manager.append
     for request, wanted in decodes + prefills:
@@ -120,7 +113,7 @@ def _schedule_running(
             break
         if request.request_id not in running:  # preempted by an earlier one
             continue
-        num_tokens = min(wanted, budget)
+        num_tokens = wanted if wanted < budget else budget
         first = request.num_scheduled_tokens
         new_blocks = append(request, num_tokens, fence)
         if new_blocks is None:
@@ -128,11 +121,11 @@ def _schedule_running(
             if new_blocks is None:
                 continue
         budget -= num_tokens
-        rows.append(_Row(request, first, num_tokens, new_blocks))
+        rows.append((request, first, num_tokens, new_blocks, 0, 0))
     if preempted:  # a request preempted after being scheduled gives its tokens back
         gone = set(preempted)
-        budget += sum(r.num_tokens for r in rows if r.request.request_id in gone)
-        rows[:] = [r for r in rows if r.request.request_id not in gone]
+        budget += sum(r[_NUM_TOKENS] for r in rows if r[_REQUEST].request_id in gone)
+        rows[:] = [r for r in rows if r[_REQUEST].request_id not in gone]
     return budget
 
 
@@ -171,7 +164,7 @@ def _admit(manager: KVCacheManager, session: Session, budget: int, rows: list[_R
         room -= 1
         budget -= admitted.num_scheduled_tokens
         rows.append(
-            _Row(
+            (
                 request,
                 admitted.first_position,
                 admitted.num_scheduled_tokens,
@@ -186,13 +179,16 @@ def _reply(rows: list[_Row]) -> pb.StepResponse:
     # NOTE: whole columns are extended at once; per-element appends to a
     # repeated field cost several times more at 64+ rows.
     reply = pb.StepResponse()
+    if not rows:
+        return reply
+    requests, firsts, num_tokens, new_blocks, cached, host_cached = zip(*rows, strict=True)
     s = reply.scheduled
-    s.request_ids.extend([r.request.request_id for r in rows])
-    s.first_positions.extend([r.first_position for r in rows])
-    s.num_tokens.extend([r.num_tokens for r in rows])
-    s.num_cached_tokens.extend([r.num_cached_tokens for r in rows])
-    s.num_new_blocks.extend([len(r.new_blocks) for r in rows])
-    s.new_block_ids.extend([b.block_id for r in rows for b in r.new_blocks])
-    if any(r.num_host_cached_tokens for r in rows):
-        s.num_host_cached_tokens.extend([r.num_host_cached_tokens for r in rows])
+    s.request_ids.extend([r.request_id for r in requests])
+    s.first_positions.extend(firsts)
+    s.num_tokens.extend(num_tokens)
+    s.num_cached_tokens.extend(cached)
+    s.num_new_blocks.extend(map(len, new_blocks))
+    s.new_block_ids.extend([b.block_id for blocks in new_blocks for b in blocks])
+    if any(host_cached):
+        s.num_host_cached_tokens.extend(host_cached)
     return reply
