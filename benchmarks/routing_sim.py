@@ -544,7 +544,7 @@ def build_workload(name: str, args: argparse.Namespace, replicas: int, load: flo
         tenants = max(2, int(args.tenants_per_replica * replicas))
         return template_workload(rng, shape, capacity, load, args.duration_s, tenants)
     if name.startswith("trace:"):
-        return trace_workload(Path(name[len("trace:"):]), args.block_tokens, capacity, load)
+        return trace_workload(Path(name[len("trace:") :]), args.block_tokens, capacity, load)
     raise SystemExit(f"--workloads: unknown workload {name!r}")
 
 

@@ -274,8 +274,12 @@ class Router:
         with self._lock:
             return [
                 ReplicaView(
-                    r.address, r.serving, r.in_flight,
-                    self._index.known(r.slot, DEVICE), self._index.known(r.slot, HOST), r.load,
+                    r.address,
+                    r.serving,
+                    r.in_flight,
+                    self._index.known(r.slot, DEVICE),
+                    self._index.known(r.slot, HOST),
+                    r.load,
                 )
                 for r in sorted(self._replicas.values(), key=lambda r: r.address)
             ]
