@@ -9,14 +9,13 @@ from pathlib import Path
 import grpc
 
 from gateway import redis_conn
-from gateway.auth import Authenticator, FileKeys, KeyStore, RedisKeys
 from gateway.endpoints import check_endpoint
 from gateway.keeper import TemplateKeeper
-from gateway.limits import TenantLimits
 from gateway.replicas import ReplicaPool
 from gateway.router import Router, RouterConfig
 from gateway.service import STATUS_BY_ERROR, GatewayService
 from gateway.templates import TemplateStore
+from gateway.tenants import Authenticator, FileKeys, KeyStore, RedisKeys, TenantLimits
 from kvd.grpc_server import build_server
 from kvd_api.gateway.v1 import gateway_pb2 as pb
 from kvd_api.gateway.v1 import gateway_pb2_grpc as pb_grpc

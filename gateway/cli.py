@@ -136,7 +136,7 @@ def build_key_parser() -> argparse.ArgumentParser:
 def add_key(argv: list[str]) -> int:
     from gateway import redis_conn
     from gateway.app import default_data_dir
-    from gateway.auth import RedisKeys
+    from gateway.tenants import RedisKeys
 
     args = build_key_parser().parse_args(argv)
     client, embedded = redis_conn.connect(args.redis_url, Path(args.data_dir) if args.data_dir else default_data_dir())
@@ -160,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logs.configure(args.log_level)
     from gateway.app import GatewayApp, GatewaySettings
-    from gateway.limits import TenantLimits
     from gateway.router import RouterConfig
+    from gateway.tenants import TenantLimits
 
     try:
         settings = GatewaySettings(

@@ -33,7 +33,6 @@ import threading
 
 import grpc
 
-from gateway.auth import tenant_salt
 from gateway.replicas import ReplicaPool
 from gateway.router import NoReplica
 from gateway.templates import (
@@ -44,6 +43,7 @@ from gateway.templates import (
     split_warm_member,
     warm_member,
 )
+from gateway.tenants import tenant_salt
 from kvd_api.engine.v1 import engine_pb2 as epb
 
 log = logging.getLogger("gateway.keeper")

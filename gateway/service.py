@@ -25,12 +25,9 @@ from collections.abc import Iterator
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from gateway.auth import SCOPE_GENERATE, SCOPE_TEMPLATES_WRITE, Authenticator, tenant_salt
-from gateway.engine_link import engine_error, remaining_s
 from gateway.keeper import TemplateKeeper
-from gateway.limits import LimitExceeded, RequestSlots, TenantLimits
 from gateway.prompts import own_ids, template_ids, templated_ids
-from gateway.replicas import ReplicaPool
+from gateway.replicas import ReplicaPool, engine_error, remaining_s
 from gateway.router import NoReplica, RouteKey
 from gateway.template_cache import TemplateCache
 from gateway.templates import (
@@ -39,11 +36,21 @@ from gateway.templates import (
     TemplateExists,
     TemplateNotFound,
     TemplateStore,
+    check_description,
     check_name,
+    check_ttl,
     warm_member,
 )
+from gateway.tenants import (
+    SCOPE_GENERATE,
+    SCOPE_TEMPLATES_WRITE,
+    Authenticator,
+    LimitExceeded,
+    RequestSlots,
+    TenantLimits,
+    tenant_salt,
+)
 from gateway.tokenizer import GatewayTokenizer
-from gateway.validation import check_create, check_generate, check_list, check_update
 from kvd.grpc_server import StatusTable
 from kvd.hashing import chain_block_hashes, encode_extra_keys
 from kvd_api.engine.v1 import engine_pb2 as epb
@@ -53,6 +60,7 @@ from kvd_api.gateway.v1 import gateway_pb2_grpc as pb_grpc
 log = logging.getLogger("gateway.service")
 
 VERSION = "0.1.0"
+MAX_CACHE_SALT = 256
 # A template's warming prefill, for a caller that set no deadline.
 WARM_TIMEOUT_S = 120.0
 
@@ -321,3 +329,54 @@ def _timestamp(seconds: float) -> Timestamp:
     stamp = Timestamp()
     stamp.FromNanoseconds(int(seconds * 1e9))
     return stamp
+
+
+# ------------------------------------------------- the requests' own fields
+# Each check raises ValueError whose message starts with the field's name (the
+# service turns it into INVALID_ARGUMENT). Fields whose limits only an engine
+# knows (token ids against its vocabulary, sampling values, lengths against its
+# context) are checked by the engine, which names them the same way.
+
+
+def check_generate(request: pb.GenerateRequest) -> None:
+    kind = request.WhichOneof("prompt")
+    if kind is None and not request.template:
+        raise ValueError("prompt: give text, chat messages or token ids (or a template)")
+    if request.template:
+        check_name(request.template, "template")
+    if kind == "chat":
+        if not request.chat.messages:
+            raise ValueError("chat.messages is empty")
+        for i, message in enumerate(request.chat.messages):
+            if not message.role:
+                raise ValueError(f"chat.messages[{i}].role is empty")
+    if kind == "token_ids" and not request.token_ids.ids and not request.template:
+        raise ValueError("token_ids.ids is empty")
+    if len(request.cache_salt) > MAX_CACHE_SALT:
+        raise ValueError(f"cache_salt is {len(request.cache_salt)} bytes; at most {MAX_CACHE_SALT}")
+
+
+def check_create(request: pb.CreateTemplateRequest) -> None:
+    check_name(request.name)
+    if not request.content and not request.messages:
+        raise ValueError("content must not be empty (or give messages: a chat template)")
+    if request.content and request.messages:
+        raise ValueError("content, messages: give the template's content or its messages, not both")
+    for i, message in enumerate(request.messages):
+        if not message.role:
+            raise ValueError(f"messages[{i}].role is empty")
+    check_ttl(request.ttl_seconds)
+    check_description(request.description)
+
+
+def check_update(request: pb.UpdateTemplateRequest) -> None:
+    check_name(request.name)
+    if request.HasField("ttl_seconds"):
+        check_ttl(request.ttl_seconds)
+    if request.HasField("description"):
+        check_description(request.description)
+
+
+def check_list(request: pb.ListTemplatesRequest) -> None:
+    if request.page_size < 0:
+        raise ValueError(f"page_size must be >= 0, got {request.page_size}")

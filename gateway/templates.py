@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import redis
 
-from gateway.limits import LimitExceeded, TenantLimits
 from gateway.template_scripts import TemplateScripts
+from gateway.tenants import LimitExceeded, TenantLimits
 
 NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
 MAX_PAGE_SIZE = 500

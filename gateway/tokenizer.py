@@ -22,7 +22,7 @@ Message = tuple[str, str]  # (role, content)
 class GatewayTokenizer:
     """Args:
     fetch_files: the tokenizer's files (name -> bytes); the gateway asks a
-        serving replica (``EngineLink.tokenizer_files``).
+        serving replica (``gateway.replicas.EngineLink.tokenizer_files``).
     """
 
     def __init__(self, fetch_files: Callable[[], dict[str, bytes]]) -> None:

@@ -10,11 +10,10 @@ import pytest
 import redis
 
 from gateway.prompts import own_ids, template_ids, templated_ids
-from gateway.service import _response
+from gateway.service import _response, check_create
 from gateway.template_cache import TemplateCache
 from gateway.templates import Template, TemplateNotFound, TemplateStore
 from gateway.tokenizer import GatewayTokenizer
-from gateway.validation import check_create
 from inference import model_store
 from inference.service import tokenizer_files
 from kvd_api.engine.v1 import engine_pb2 as epb
