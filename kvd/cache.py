@@ -82,9 +82,6 @@ class KVCache:
     def layout(self) -> CacheLayout:
         return self.memory.layout
 
-    def take_events(self) -> list[BlockEvent]:
-        return self.pool.take_events()
-
     # Called by the copier's worker, under the lock.
     def _offloaded(self, offloads: Sequence[Offload]) -> None:
         assert self.host is not None

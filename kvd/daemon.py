@@ -265,7 +265,7 @@ class Daemon:
     def _publish(self) -> None:
         """Hands this call's events to every subscriber (under the lock)."""
         if self.cache is not None:
-            self.events.publish(self.cache.take_events())
+            self.events.publish(self.cache.pool.take_events())
 
     def close(self) -> None:
         self.stop()
