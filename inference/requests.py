@@ -76,7 +76,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_cached_prompt: int = -1  # -1 until first admitted
     num_host_cached_prompt: int = 0  # of num_cached_prompt, copied back from the host tier
-    #: while waiting: the prompt tokens its daemon held when it came (load reports; 0: not asked)
+    #: while waiting: the prompt tokens its daemon held when it came (load reports; 0: not known yet)
     expected_cached: int = 0
     num_computed: int = 0  # tokens whose K/V a finished forward wrote (load reports)
     generator: torch.Generator | None = None
@@ -125,6 +125,7 @@ class RequestTable:
         self._unsent: dict[str, Sequence] = {}  # new, not told to the daemon yet
         self._commits: dict[str, tuple[int, list[int]]] = {}  # id -> (computed tokens, sampled since)
         self._finished: dict[str, Sequence] = {}  # done, not reported yet
+        self._arriving: list[Sequence] = []  # the last Step's new requests, in its order
         self._settings_due = True
 
     @property
@@ -180,11 +181,13 @@ class RequestTable:
             msg.settings.CopyFrom(self.settings)
             self._settings_due = False
         sent_tokens = 0
+        self._arriving = []
         for seq in list(self._unsent.values()):
             if sent_tokens and sent_tokens + len(seq.prompt_ids) > MAX_PROMPT_TOKENS_PER_STEP:
                 break  # the rest go in the next Step
             sent_tokens += len(seq.prompt_ids)
             del self._unsent[seq.request_id]
+            self._arriving.append(seq)
             msg.new_requests.add(
                 request_id=seq.request_id,
                 prompt_token_ids=seq.prompt_ids,
@@ -215,6 +218,11 @@ class RequestTable:
             released sequences, which the engine forgets.
         """
         seqs = self.seqs
+        # (A daemon of an older release sends no column: the reports then
+        # count every waiting prompt whole.)
+        for seq, cached in zip(self._arriving, reply.arrival_cached_tokens, strict=False):
+            seq.expected_cached = cached
+        self._arriving = []
         for request_id in reply.preempted:
             seqs[request_id].block_table = []
             seqs[request_id].num_computed = 0
@@ -252,6 +260,6 @@ class RequestTable:
         """Forgets every sequence (the daemon is gone); returns them."""
         seqs = list(self.seqs.values())
         self.seqs.clear()
-        self._unsent, self._commits, self._finished = {}, {}, {}
+        self._unsent, self._commits, self._finished, self._arriving = {}, {}, {}, []
         self._settings_due = True
         return seqs

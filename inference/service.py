@@ -17,7 +17,6 @@ from inference.sampling import SamplingParams
 from kvd.client import DaemonClient
 from kvd.grpc_server import Server, StatusTable
 from kvd.grpc_server import build_server as build_grpc_server
-from kvd_api.daemon.v1 import daemon_pb2 as dpb
 from kvd_api.engine.v1 import engine_pb2 as pb
 from kvd_api.engine.v1 import engine_pb2_grpc as pb_grpc
 
@@ -75,7 +74,6 @@ class EngineService(pb_grpc.EngineServicer):
 
     def _stream(self, seq: Sequence, response_id: str, context):
         self.engine.submit(seq)
-        self._expect_hits(seq)
         # Fires when the client cancels, the deadline passes, or the call
         # ends; cancelling a finished sequence does nothing.
         context.add_callback(lambda: self.engine.cancel(seq.request_id))
@@ -97,20 +95,6 @@ class EngineService(pb_grpc.EngineServicer):
                 return
             else:
                 context.abort(grpc.StatusCode.UNAVAILABLE, event[1])
-
-    def _expect_hits(self, seq: Sequence) -> None:
-        """Asks the daemon what it holds of the prompt, for the load reports
-        while the request waits (after submitting it: never on its way)."""
-        session = self.engine.session
-        if session is None:
-            return
-        try:
-            reply = session.client.stub.Lookup(
-                dpb.LookupRequest(token_ids=seq.prompt_ids, cache_salt=seq.cache_salt), timeout=2.0
-            )
-        except grpc.RpcError:
-            return  # the reports count its whole prompt
-        seq.expected_cached = reply.num_cached_tokens + reply.num_host_cached_tokens
 
     # ----------------------------------------------------- unary methods
 

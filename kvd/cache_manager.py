@@ -141,8 +141,12 @@ class KVCacheManager:
         return Request(request_id=request_id, token_ids=tokens, extra=extra, block_hashes=hashes)
 
     def lookup(self, block_hashes: Sequence[bytes]) -> int:
-        """Cached leading tokens (block-aligned) for these hashes; no change."""
+        """Cached leading tokens (block-aligned) on the device for these hashes; no change."""
         return len(self.pool.match_prefix(block_hashes)) * self.block_size
+
+    def cached_tokens(self, block_hashes: Sequence[bytes]) -> int:
+        """Cached leading tokens (block-aligned) in either tier; no change."""
+        return len(self.match_tiers(block_hashes)) * self.block_size
 
     # ---------------------------------------------------------- admission
 

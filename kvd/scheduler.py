@@ -54,9 +54,13 @@ def run_step(
 
     Raises ``ValueError`` / ``NotFoundError`` before any change on bad input.
     """
-    released = session.apply(manager, msg)
+    arrivals, released = session.apply(manager, msg)
+    # What the cache holds of each new prompt, before anything is admitted
+    # (the engine's load reports): its hashes are at hand only here.
+    arrival_cached = [manager.cached_tokens(request.block_hashes) for request in arrivals]
     reply = schedule(manager, session, msg.forward_in_flight, block_cap)
     reply.released.extend(released)
+    reply.arrival_cached_tokens.extend(arrival_cached)
     return reply
 
 

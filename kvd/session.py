@@ -183,9 +183,10 @@ class Session:
 
     # --------------------------------------------------------- the Step
 
-    def apply(self, manager: KVCacheManager, msg: pb.StepRequest) -> list[str]:
+    def apply(self, manager: KVCacheManager, msg: pb.StepRequest) -> tuple[list[Request], list[str]]:
         """Takes a Step's reports, in order: settings, new requests, commits,
-        finished requests. Returns the released request ids.
+        finished requests. Returns the new requests (in the Step's order) and
+        the released request ids.
 
         Raises:
             ValueError, NotFoundError: before any change.
@@ -208,7 +209,7 @@ class Session:
                 request.token_ids.extend(new_token_ids)
         for request in checked.finished:
             self.release(manager, request)
-        return [r.request_id for r in checked.finished]
+        return checked.arrivals, [r.request_id for r in checked.finished]
 
     def _check(self, manager: KVCacheManager, msg: pb.StepRequest) -> _Checked:
         if msg.HasField("settings"):

@@ -94,3 +94,18 @@ def test_a_reply_extends_tables_and_drops_preempted_ones():
     assert a.block_table == [7, 3] and a.num_cached_prompt == 4
     work, _ = table.apply(pb.StepResponse(preempted=["a"]))
     assert work == [] and a.block_table == []
+
+
+def test_what_the_daemon_held_of_a_waiting_prompt_leaves_the_queued_work():
+    table = RequestTable(max_num_seqs=2, token_budget=64)
+    table.add(a := seq("a", 40))
+    table.add(b := seq("b", 24))
+    assert table.load() == (64, 2)  # not told yet: whole prompts
+    table.build_step()
+    table.apply(pb.StepResponse(arrival_cached_tokens=[32, 0]))  # in new_requests' order
+    assert (a.expected_cached, b.expected_cached) == (32, 0)
+    assert table.load() == (40 - 32 + 24, 2)
+    table.add(seq("c", 16))
+    table.build_step()
+    table.apply(pb.StepResponse())  # a daemon that sends no column changes nothing
+    assert table.load() == (40 - 32 + 24 + 16, 3)

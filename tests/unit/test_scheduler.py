@@ -126,6 +126,16 @@ def test_the_prompt_crosses_once_and_is_hashed_once(monkeypatch):
     assert len(calls) == 2
 
 
+def test_each_arrival_is_told_what_the_cache_held_of_its_prompt():
+    _, manager, session = make(16, max_num_seqs=1)
+    step(manager, session, new_requests=[new("a", list(range(12)))])
+    step(manager, session, done=[("a", 12, [1])], finished=["a"])  # blocks 0-2 cached
+    reply = step(manager, session, new_requests=[new("b", list(range(8)) + [99] * 6), new("c", [5] * 9)])
+    assert list(reply.arrival_cached_tokens) == [8, 0]  # block-aligned, in new_requests' order
+    assert rows(reply)[0][:4] == ("b", 8, 6, 8)  # admission finds what arrival saw
+    assert list(step(manager, session).arrival_cached_tokens) == []  # no arrivals, no column
+
+
 def test_a_full_prefix_hit_computes_only_the_last_token():
     pool, manager, session = make(16)
     step(manager, session, new_requests=[new("a", list(range(8)))])

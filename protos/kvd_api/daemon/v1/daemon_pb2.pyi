@@ -234,20 +234,22 @@ class Scheduled(_message.Message):
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., first_positions: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_host_cached_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("scheduled", "preempted", "released", "num_waiting", "num_free_blocks", "copy_events")
+    __slots__ = ("scheduled", "preempted", "released", "num_waiting", "num_free_blocks", "copy_events", "arrival_cached_tokens")
     SCHEDULED_FIELD_NUMBER: _ClassVar[int]
     PREEMPTED_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     COPY_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    ARRIVAL_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     scheduled: Scheduled
     preempted: _containers.RepeatedScalarFieldContainer[str]
     released: _containers.RepeatedScalarFieldContainer[str]
     num_waiting: int
     num_free_blocks: int
     copy_events: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, scheduled: _Optional[_Union[Scheduled, _Mapping]] = ..., preempted: _Optional[_Iterable[str]] = ..., released: _Optional[_Iterable[str]] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., copy_events: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    arrival_cached_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, scheduled: _Optional[_Union[Scheduled, _Mapping]] = ..., preempted: _Optional[_Iterable[str]] = ..., released: _Optional[_Iterable[str]] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., copy_events: _Optional[_Iterable[bytes]] = ..., arrival_cached_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("token_ids", "cache_salt", "extra_keys")
