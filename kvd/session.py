@@ -241,7 +241,12 @@ class Session:
         requests, running, check = self.requests, self.running, manager.check_commit
         for request_id, num_computed, start, end in zip(ids, computed, offsets, offsets[1:], strict=False):
             request = requests.get(request_id) or self.get(request_id)
-            if request_id in running:
+            # NOTE: check_commit's conditions, inline (a call fewer per running
+            # request, each Step); it is called to say what is wrong.
+            if request_id in running and not (
+                request.num_computed_tokens <= num_computed <= request.num_scheduled_tokens
+                and num_computed <= len(request.token_ids) + end - start
+            ):
                 check(request, num_computed, end - start)
             commits.append((request, num_computed, tokens[start:end]))
         return commits
