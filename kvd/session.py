@@ -41,7 +41,7 @@ from kvd.block import Block
 from kvd.cache_manager import KVCacheManager, Request
 from kvd.cache_manager import schedule_order as _order
 from kvd.errors import NotFoundError
-from kvd.hashing import token_bytes
+from kvd.hashing import pack_tokens
 from kvd.process_identity import ProcessIdentity
 from kvd_api.daemon.v1 import daemon_pb2 as pb
 
@@ -234,7 +234,10 @@ class Session:
         if min(counts, default=0) < 0 or sum(counts) != len(tokens):
             raise ValueError("commits: num_new_tokens must be >= 0 and add up to len(new_token_ids)")
         _unique("commits", ids)
-        token_bytes(tokens)  # one conversion checks every sampled token of the step
+        try:
+            pack_tokens(tokens)  # one pass checks every sampled token of the step
+        except ValueError as exc:
+            raise ValueError(f"commits.new_token_ids: {exc}") from None
         offsets = list(accumulate(counts, initial=0))
         commits = []
         # NOTE: a decode Step commits every running request: names bound once.
