@@ -39,6 +39,7 @@ class Request:
         num_indexed_blocks: leading blocks already offered to the index.
         priority: smaller runs first; ties go by ``arrival``.
         arrival: the order in which its session received it.
+        order: its place in the schedule (priority, then arrival), set by ``queued``.
         max_end: no position at or past this is ever scheduled (the prompt,
             plus the sampled tokens but the last, which is never computed).
         last_step: the session step that last scheduled it (-1: none).
@@ -55,18 +56,22 @@ class Request:
     num_indexed_blocks: int = 0
     priority: int = 0
     arrival: int = 0
+    order: int = 0
     max_end: int = 0
     last_step: int = -1
 
-    @property
-    def order(self) -> tuple[int, int]:
-        """Its place in the schedule: priority, then arrival."""
-        return schedule_order(self)
+    def queued(self, arrival: int) -> None:
+        """Its session received it ``arrival``-th: its place in the schedule is set."""
+        self.arrival = arrival
+        # NOTE: (priority, arrival) as one int (exact below 2**40 arrivals a
+        # session): a decode Step sorts every running request by it, and an
+        # int compares without building a tuple per request.
+        self.order = (self.priority << 40) + arrival
 
 
 #: ``Request.order`` as a key function: an attrgetter, so sorting and
 #: bisecting a Step's requests make no Python call per request.
-schedule_order = attrgetter("priority", "arrival")
+schedule_order = attrgetter("order")
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,12 +301,13 @@ class KVCacheManager:
         """Records a forward's results; blocks that became full enter the cache."""
         self.check_commit(request, num_computed_tokens, len(new_token_ids))
         token_bytes(new_token_ids)
-        self.apply_commit(request, num_computed_tokens, new_token_ids)
+        self.apply_commit(request, num_computed_tokens, list(new_token_ids))
 
-    def apply_commit(self, request: Request, num_computed_tokens: int, new_token_ids: Sequence[int]) -> None:
-        """``commit`` without the checks, for callers that ran ``check_commit``."""
+    def apply_commit(self, request: Request, num_computed_tokens: int, new_token_ids: list[int]) -> None:
+        """``commit`` without the checks, for callers that ran ``check_commit``
+        (``new_token_ids``: a list, appended by the array's fast path)."""
         if new_token_ids:
-            request.token_ids.extend(new_token_ids)
+            request.token_ids.fromlist(new_token_ids)
         request.num_computed_tokens = num_computed_tokens
         full = num_computed_tokens // self.block_size
         if full <= request.num_indexed_blocks:

@@ -57,7 +57,7 @@ DEFAULT_TOKEN_BUDGET = 512
 #: One request's entry of a Step's commits: (request, num_computed_tokens,
 #: new_token_ids). NOTE: a tuple, not a class: a decode Step makes one per
 #: running request, and a class's __init__ call costs more than the commit.
-Commit = tuple[Request, int, Sequence[int]]
+Commit = tuple[Request, int, list[int]]
 
 
 @dataclass(slots=True)
@@ -127,7 +127,7 @@ class Session:
     def enqueue(self, request: Request) -> None:
         """A new request waits for admission."""
         self.arrivals += 1
-        request.arrival = self.arrivals
+        request.queued(self.arrivals)
         self.recently_freed.pop(request.request_id, None)
         self.requests[request.request_id] = request
         self._wait(request)
@@ -206,7 +206,7 @@ class Session:
             if request.request_id in running:
                 apply_commit(request, num_computed, new_token_ids)
             else:  # preempted while its forward ran: its tokens still count
-                request.token_ids.extend(new_token_ids)
+                request.token_ids.fromlist(new_token_ids)
         for request in checked.finished:
             self.release(manager, request)
         return checked.arrivals, [r.request_id for r in checked.finished]
