@@ -21,6 +21,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+#: The checkout these benchmarks belong to.
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
 # ------------------------------------------------------------------ machine
 
 
@@ -48,7 +51,7 @@ def source_digest(globs: Sequence[str] = ("kvd/**/*.py", "protos/**/*.proto")) -
     The tree is often uncommitted while benchmarks run, so a commit id alone
     would not tell two runs apart.
     """
-    root = Path(__file__).resolve().parent.parent
+    root = REPO_ROOT
     digest = hashlib.sha256()
     files = sorted({path for pattern in globs for path in root.glob(pattern) if path.is_file()})
     for path in files:
@@ -219,8 +222,13 @@ class ChildProcess:
     proc: subprocess.Popen | None = None
 
     def _spawn(self, env: dict[str, str] | None = None) -> subprocess.Popen:
+        # NOTE: started in this checkout's root: ``python -m`` puts the working
+        # folder first on sys.path, so a benchmark run from another checkout
+        # (a baseline beside the change) would otherwise measure that one's code.
         with open(self.log_path, "wb") as log_file:
-            self.proc = subprocess.Popen(self.command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+            self.proc = subprocess.Popen(
+                self.command, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT
+            )
         return self.proc
 
     def start(self) -> ChildProcess:
