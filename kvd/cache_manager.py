@@ -10,7 +10,7 @@ from operator import attrgetter
 
 from kvd.block import Block
 from kvd.block_pool import BlockPool
-from kvd.hashing import ROOT_HASH, encode_extra_keys, hash_blocks, pack_tokens, token_bytes
+from kvd.hashing import ROOT_HASH, encode_extra_keys, hash_blocks, pack_tokens
 from kvd.host_tier import HostSlot, HostTier
 
 
@@ -300,8 +300,7 @@ class KVCacheManager:
     def commit(self, request: Request, num_computed_tokens: int, new_token_ids: Sequence[int] = ()) -> None:
         """Records a forward's results; blocks that became full enter the cache."""
         self.check_commit(request, num_computed_tokens, len(new_token_ids))
-        token_bytes(new_token_ids)
-        self.apply_commit(request, num_computed_tokens, list(new_token_ids))
+        self.apply_commit(request, num_computed_tokens, pack_tokens(new_token_ids).tolist())
 
     def apply_commit(self, request: Request, num_computed_tokens: int, new_token_ids: list[int]) -> None:
         """``commit`` without the checks, for callers that ran ``check_commit``
