@@ -32,11 +32,11 @@ from typing import Any
 import _common as common
 import block_pool_workloads as wl
 
-import kvd.hashing
 from inference.requests import Finish, RequestTable, Sequence, Work
 from inference.sampling import SamplingParams
 from kvd.block_pool import BlockPool
 from kvd.cache_manager import KVCacheManager
+from kvd.hashing import BlockHasher
 from kvd.scheduler import run_step
 from kvd.session import Session
 from kvd_api.daemon.v1 import daemon_pb2 as pb
@@ -80,24 +80,25 @@ class WaitingRun:
 
 
 class HashCounter:
-    """Counts SHA-256 block hashes by wrapping the hashing module's function."""
+    """Counts SHA-256 block digests by wrapping the block hasher's one method that makes them."""
 
     def __init__(self) -> None:
         self.count = 0
 
     @contextmanager
     def installed(self) -> Iterator[HashCounter]:
-        original = kvd.hashing._sha256
+        original = BlockHasher.advance
 
-        def counting(data: bytes):
-            self.count += 1
-            return original(data)
+        def counting(hasher: BlockHasher, *args, **kwargs) -> list[bytes]:
+            hashes = original(hasher, *args, **kwargs)
+            self.count += len(hashes)
+            return hashes
 
-        kvd.hashing._sha256 = counting
+        BlockHasher.advance = counting  # type: ignore[method-assign]
         try:
             yield self
         finally:
-            kvd.hashing._sha256 = original
+            BlockHasher.advance = original  # type: ignore[method-assign]
 
 
 def run_inprocess(shape: Shape, steps: int, seed: int) -> WaitingRun:

@@ -154,7 +154,7 @@ def routing_overhead(tokenizer, rng: random.Random) -> dict[str, float]:
     """What cost or affinity routing adds to a plain-text request in the
     gateway: tokenizing it (the gateway's own tokenizer, no round trip) and
     hashing its blocks (medians over 50, 300-token prompts)."""
-    from kvd.hashing import chain_block_hashes, encode_extra_keys
+    from kvd.hashing import encode_extra_keys, hash_token_ids
 
     texts = [words(rng, tokenizer, 300) for _ in range(50)]
     tokenize_s, hash_s = [], []
@@ -163,7 +163,7 @@ def routing_overhead(tokenizer, rng: random.Random) -> dict[str, float]:
         ids = tokenizer.encode(text, add_special_tokens=False)
         tokenize_s.append(time.perf_counter() - start)
         start = time.perf_counter()
-        chain_block_hashes(ids, BLOCK, encode_extra_keys(b"tenant-salt-0123"))
+        hash_token_ids(ids, BLOCK, encode_extra_keys(b"tenant-salt-0123"))
         hash_s.append(time.perf_counter() - start)
     return {"tokenize_ms": 1e3 * statistics.median(tokenize_s), "hash_blocks_ms": 1e3 * statistics.median(hash_s)}
 

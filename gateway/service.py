@@ -52,7 +52,7 @@ from gateway.tenants import (
 )
 from gateway.tokenizer import GatewayTokenizer
 from kvd.grpc_server import StatusTable
-from kvd.hashing import chain_block_hashes, encode_extra_keys
+from kvd.hashing import encode_extra_keys, hash_token_ids
 from kvd_api.engine.v1 import engine_pb2 as epb
 from kvd_api.gateway.v1 import gateway_pb2 as pb
 from kvd_api.gateway.v1 import gateway_pb2_grpc as pb_grpc
@@ -145,7 +145,7 @@ class GatewayService(pb_grpc.GatewayServicer):
         if self.router.config.policy == "round-robin":
             return RouteKey(template=template)
         block_size = self.pool.any_serving().model_info().block_size
-        hashes = chain_block_hashes(out.token_ids.ids, block_size, encode_extra_keys(out.cache_salt))
+        hashes = hash_token_ids(out.token_ids.ids, block_size, encode_extra_keys(out.cache_salt))
         return RouteKey(template, tuple(hashes), len(out.token_ids.ids), block_size, template_tokens // block_size)
 
     def _by_prefix(self) -> bool:

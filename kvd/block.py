@@ -30,7 +30,7 @@ class Block:
         block_id: index of the block in the cache tensor (dimension 0).
         ref_cnt: holders of the block: running requests and pins. A block with
             ``ref_cnt == 0`` sits in the free queue.
-        block_hash: the chained hash of the block's tokens, set once the block
+        block_hash: the hash of the block's tokens and all before them, set once the block
             is full and committed; ``None`` while it holds no cached content.
         pending_copies: outgoing copies to the host tier not finished yet;
             each holds one of the block's references, which is what keeps

@@ -21,7 +21,7 @@ from kvd.block_pool import BlockEvent, BlockPool
 from kvd.cache_manager import KVCacheManager
 from kvd.config import DaemonConfig
 from kvd.errors import PreconditionError
-from kvd.hashing import encode_extra_keys, hash_blocks, pack_tokens
+from kvd.hashing import BlockHasher, encode_extra_keys, pack_tokens
 from kvd.host_tier import HostTier
 from kvd.layout import CacheLayout
 from kvd.memory import KVMemory
@@ -99,7 +99,8 @@ class KVCache:
         return self.copier is None or self.copier.drain(timeout_s)
 
     def block_hashes(self, token_ids: Sequence[int], cache_salt: bytes, extra_keys: Sequence[bytes]) -> list[bytes]:
-        return hash_blocks(pack_tokens(token_ids), self.block_size, encode_extra_keys(cache_salt, extra_keys))
+        hasher = BlockHasher(encode_extra_keys(cache_salt, extra_keys), self.block_size)
+        return hasher.advance(pack_tokens(token_ids))  # every id checked, the partial tail's too
 
     def lookup(self, hashes: Sequence[bytes]) -> tuple[list[bytes], int]:
         """The leading ``hashes`` cached on the device, and how many blocks after them the host tier holds."""

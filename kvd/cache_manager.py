@@ -10,7 +10,7 @@ from operator import attrgetter
 
 from kvd.block import Block
 from kvd.block_pool import BlockPool
-from kvd.hashing import ROOT_HASH, encode_extra_keys, hash_blocks, pack_tokens
+from kvd.hashing import BlockHasher, encode_extra_keys, pack_tokens
 from kvd.host_tier import HostSlot, HostTier
 
 
@@ -29,7 +29,8 @@ class Request:
         request_id: the engine's id, unique within its session.
         token_ids: every token known so far (prompt, then sampled tokens),
             packed (4 bytes a token: a long prompt may wait a while).
-        extra: the encoded hash namespaces (cache salt, extra keys).
+        hasher: the running hash of its full blocks (its namespaces: cache
+            salt, extra keys), which hashes each further block as it fills.
         block_hashes: hashes of the full blocks of ``token_ids``, computed
             once, as blocks fill.
         blocks: the block table; append-only.
@@ -47,7 +48,7 @@ class Request:
 
     request_id: str
     token_ids: array  # of 'I'
-    extra: bytes
+    hasher: BlockHasher
     block_hashes: list[bytes] = field(default_factory=list)
     blocks: list[Block] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -140,10 +141,9 @@ class KVCacheManager:
         """Validates a sequence and hashes its full blocks once."""
         if not token_ids:
             raise ValueError(f"request {request_id!r}: token_ids is empty")
-        extra = encode_extra_keys(cache_salt, extra_keys)
         tokens = pack_tokens(token_ids)  # checks every id, once
-        hashes = hash_blocks(tokens, self.block_size, extra)
-        return Request(request_id=request_id, token_ids=tokens, extra=extra, block_hashes=hashes)
+        hasher = BlockHasher(encode_extra_keys(cache_salt, extra_keys), self.block_size)
+        return Request(request_id=request_id, token_ids=tokens, hasher=hasher, block_hashes=hasher.advance(tokens))
 
     def lookup(self, block_hashes: Sequence[bytes]) -> int:
         """Cached leading tokens (block-aligned) on the device for these hashes; no change."""
@@ -313,8 +313,7 @@ class KVCacheManager:
             return
         hashes = request.block_hashes
         if len(hashes) < full:
-            parent = hashes[-1] if hashes else ROOT_HASH
-            hashes.extend(hash_blocks(request.token_ids, self.block_size, request.extra, parent, len(hashes), full))
+            hashes.extend(request.hasher.advance(request.token_ids, full))
         start = request.num_indexed_blocks
         self._forget_inflight(request)
         stored = self.pool.cache_blocks(request.blocks[start:full], hashes[start:full])

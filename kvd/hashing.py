@@ -1,11 +1,25 @@
-"""Chained block hashes: the identity of cached KV content.
+"""Block hashes: the identity of cached KV content.
 
-A block's hash is ``sha256(parent_digest ‖ extra_keys ‖ token_ids)`` where the
-token ids are little-endian uint32 and ``extra_keys`` is a length-prefixed
-encoding of the cache salt and any further namespaces. Chaining makes a hash
-identify the whole prefix up to and including its block, so a lookup can walk
-a prompt's blocks and stop at the first miss. Python's ``hash()`` is never
-used: a collision would hand one request another request's KV.
+Block ``i``'s hash is the SHA-256 digest of everything up to its end::
+
+    sha256(DOMAIN ‖ block size ‖ extra_keys ‖ token ids of blocks 0..i)
+
+(block size and token ids as little-endian uint32). ``extra_keys`` is a
+length-prefixed encoding of the cache salt and any further namespaces. The
+block size is in it because a block's content is: the same tokens cut into
+other blocks are other blocks. A hash therefore identifies the whole prefix up to and including
+its block, so a lookup can walk a prompt's blocks and stop at the first miss.
+Python's ``hash()`` is never used: a collision would hand one request another
+request's KV.
+
+It is still a chain. SHA-256 itself carries a 32-byte state from one 64-byte
+chunk to the next, and a 16-token block is one chunk. ``BlockHasher`` keeps
+that running state per sequence and reads a digest out after each block,
+instead of starting a new SHA-256 per block over ``parent digest ‖ block``.
+Starting a new hash object is most of a block's cost, so one running hash
+makes a 2k-token prompt's hashes about 1.6x cheaper. The only price: hashing
+more blocks of a sequence needs its hasher, not just its last digest; the
+daemon keeps one per request.
 """
 
 from __future__ import annotations
@@ -15,9 +29,10 @@ import sys
 from array import array
 from collections.abc import Sequence
 
-#: The parent of every chain's first block. Versioned so that a change of the
-#: encoding can never match hashes made by an older daemon.
-ROOT_HASH = hashlib.sha256(b"kvd/block-hash/v1").digest()
+#: What every sequence's hash starts with. Versioned so that a change of the
+#: encoding can never match hashes made by an older daemon (v1 chained
+#: ``sha256(parent ‖ extra ‖ block)``).
+DOMAIN = b"kvd/block-hash/v2"
 
 MAX_TOKEN_ID = 2**32 - 1
 
@@ -64,70 +79,66 @@ def token_bytes(token_ids: Sequence[int]) -> bytes:
     return _little_endian(pack_tokens(token_ids))
 
 
-def hash_blocks(
-    packed: array,
-    block_size: int,
-    extra: bytes,
-    parent: bytes = ROOT_HASH,
-    start_block: int = 0,
-    end_block: int | None = None,
-) -> list[bytes]:
-    """Hashes full blocks of already checked token ids (``pack_tokens``).
+class BlockHasher:
+    """One sequence's running block hash: absorbs its full blocks in order.
 
     Args:
-        packed: the whole sequence's ids.
+        extra: ``encode_extra_keys(...)`` of the sequence.
         block_size: tokens per block.
-        extra: ``encode_extra_keys(...)`` of the request.
-        parent: the hash of block ``start_block - 1`` (``ROOT_HASH`` for 0).
-        start_block: the first block to hash.
-        end_block: the block to stop before (default: every full block).
 
-    Returns:
-        One 32-byte digest per block in ``[start_block, end_block)``.
+    Attributes:
+        num_blocks: the blocks absorbed so far (the next ``advance`` starts there).
     """
-    num_full = len(packed) // block_size
-    end = num_full if end_block is None else min(end_block, num_full)
-    if end <= start_block:
-        return []
-    data = _little_endian(packed[start_block * block_size : end * block_size])
-    width = 4 * block_size
-    # NOTE: this loop is about half of a cold 2k-token prompt's admission: the
-    # rows are cut in one comprehension and the loop body is one digest.
-    rows = [extra + data[offset : offset + width] for offset in range(0, len(data), width)]
-    hashes: list[bytes] = []
-    append = hashes.append
-    sha256 = _sha256
-    for row in rows:
-        parent = sha256(parent + row).digest()
-        append(parent)
-    return hashes
+
+    __slots__ = ("_state", "block_size", "num_blocks")
+
+    def __init__(self, extra: bytes, block_size: int) -> None:
+        self._state = _sha256(DOMAIN + block_size.to_bytes(4, "little") + extra)
+        self.block_size = block_size
+        self.num_blocks = 0
+
+    def advance(self, packed: array, end_block: int | None = None) -> list[bytes]:
+        """Hashes the full blocks of ``packed`` from ``num_blocks`` on.
+
+        Args:
+            packed: the whole sequence's ids, already checked (``pack_tokens``).
+            end_block: the block to stop before (default: every full block).
+
+        Returns:
+            One 32-byte digest per block newly absorbed (none when the
+            sequence has no full block past ``num_blocks``).
+        """
+        size = self.block_size
+        num_full = len(packed) // size
+        end = num_full if end_block is None else min(end_block, num_full)
+        start = self.num_blocks
+        if end <= start:
+            return []
+        data = _little_endian(packed[start * size : end * size])
+        width = 4 * size
+        # NOTE: about half of a cold 2k-token prompt's admission is this loop:
+        # its body is one update and one digest, bound once.
+        update, digest = self._state.update, self._state.digest
+        hashes: list[bytes] = []
+        append = hashes.append
+        for offset in range(0, len(data), width):
+            update(data[offset : offset + width])
+            append(digest())
+        self.num_blocks = end
+        return hashes
 
 
-def chain_block_hashes(
-    token_ids: Sequence[int],
-    block_size: int,
-    extra: bytes,
-    parent: bytes = ROOT_HASH,
-    start_block: int = 0,
-) -> list[bytes]:
-    """Hashes the full blocks of ``token_ids`` from ``start_block`` on (only
-    their ids are checked: a partial last block is left as it is).
+def hash_token_ids(token_ids: Sequence[int], block_size: int, extra: bytes) -> list[bytes]:
+    """The hashes of every full block of ``token_ids`` (only their ids are
+    checked: a partial last block is left as it is).
 
-    Args:
-        token_ids: the whole sequence.
-        block_size: tokens per block.
-        extra: ``encode_extra_keys(...)`` of the request.
-        parent: the hash of block ``start_block - 1`` (``ROOT_HASH`` for 0).
-        start_block: the first block to hash.
-
-    Returns:
-        One 32-byte digest per full block from ``start_block`` on.
+    Raises:
+        ValueError: a token id of a full block that is not an integer in [0, 2**32).
     """
     num_full = len(token_ids) // block_size
-    if num_full <= start_block:
+    if num_full == 0:
         return []
-    packed = pack_tokens(token_ids[start_block * block_size : num_full * block_size])
-    return hash_blocks(packed, block_size, extra, parent)
+    return BlockHasher(extra, block_size).advance(pack_tokens(token_ids[: num_full * block_size]))
 
 
 def _little_endian(packed: array) -> bytes:

@@ -6,7 +6,7 @@ import pytest
 
 from kvd.block_pool import BlockPool
 from kvd.cache_manager import DEFERRED, KVCacheManager
-from kvd.hashing import chain_block_hashes, encode_extra_keys
+from kvd.hashing import encode_extra_keys, hash_token_ids
 
 BS = 4
 
@@ -27,7 +27,7 @@ def warm(manager: KVCacheManager, tokens: list[int], salt: bytes = b"", extra_ke
 
 
 def hashes(tokens: list[int], salt: bytes = b"") -> list[bytes]:
-    return chain_block_hashes(tokens, BS, encode_extra_keys(salt))
+    return hash_token_ids(tokens, BS, encode_extra_keys(salt))
 
 
 def ids(blocks) -> list[int]:
@@ -70,7 +70,7 @@ def test_block_size_must_be_positive():
 def test_new_request_hashes_the_full_blocks_once():
     _, manager = make()
     request = manager.new_request("r", PROMPT[:10], b"s", [b"k"])
-    assert request.block_hashes == chain_block_hashes(PROMPT[:10], BS, encode_extra_keys(b"s", [b"k"]))
+    assert request.block_hashes == hash_token_ids(PROMPT[:10], BS, encode_extra_keys(b"s", [b"k"]))
     assert len(request.block_hashes) == 2
     assert request.blocks == []
 

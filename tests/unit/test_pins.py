@@ -7,7 +7,7 @@ import pytest
 from kvd.block_pool import BlockPool
 from kvd.cache_manager import KVCacheManager
 from kvd.errors import CapacityError, NotFoundError
-from kvd.hashing import chain_block_hashes, encode_extra_keys
+from kvd.hashing import encode_extra_keys, hash_token_ids
 from kvd.pins import PinRegistry
 
 BS = 4
@@ -31,7 +31,7 @@ def warm(manager: KVCacheManager, tokens: list[int], keep: bool = False):
 
 
 def hashes(tokens: list[int]) -> list[bytes]:
-    return chain_block_hashes(tokens, BS, encode_extra_keys())
+    return hash_token_ids(tokens, BS, encode_extra_keys())
 
 
 def queue_ids(pool: BlockPool) -> list[int]:

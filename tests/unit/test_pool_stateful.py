@@ -24,7 +24,7 @@ from kvd.block import BlockState
 from kvd.block_pool import DEVICE, HOST, AllCleared, BlockPool, BlockRemoved, BlockStored
 from kvd.cache_manager import KVCacheManager
 from kvd.errors import CapacityError, NotFoundError
-from kvd.hashing import chain_block_hashes, encode_extra_keys
+from kvd.hashing import encode_extra_keys, hash_token_ids
 from kvd.host_tier import HostTier, SlotState
 from kvd.pins import PinRegistry
 from kvd.scheduler import run_step
@@ -46,7 +46,7 @@ def blocks_for(num_tokens: int) -> int:
 
 
 def chain(tokens: list[int], salt: bytes) -> list[bytes]:
-    return chain_block_hashes(tokens, BS, encode_extra_keys(salt))
+    return hash_token_ids(tokens, BS, encode_extra_keys(salt))
 
 
 @dataclass

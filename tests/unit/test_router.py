@@ -7,7 +7,7 @@ import pytest
 from gateway.block_index import BlockIndex, index_keys
 from gateway.endpoints import check_endpoint, expand
 from gateway.router import Load, NoReplica, Route, RouteKey, Router, RouterConfig, rendezvous
-from kvd.hashing import chain_block_hashes, encode_extra_keys
+from kvd.hashing import encode_extra_keys, hash_token_ids
 
 A, B, C = "10.0.0.1:50052", "10.0.0.2:50052", "10.0.0.3:50052"
 
@@ -21,7 +21,7 @@ def router(*addresses: str, clock=None, **config) -> Router:
 
 
 def hashes(tokens: list[int], salt: bytes = b"tenant") -> tuple[bytes, ...]:
-    return tuple(chain_block_hashes(tokens, 16, encode_extra_keys(salt)))
+    return tuple(hash_token_ids(tokens, 16, encode_extra_keys(salt)))
 
 
 PROMPT = hashes(list(range(64)))  # 4 blocks

@@ -113,11 +113,11 @@ def test_a_prompt_is_chunked_then_decodes_one_token_a_step():
 
 
 def test_the_prompt_crosses_once_and_is_hashed_once(monkeypatch):
-    import kvd.cache_manager as cm
+    from kvd.hashing import BlockHasher
 
     calls = []
-    real = cm.hash_blocks
-    monkeypatch.setattr(cm, "hash_blocks", lambda *a: calls.append(1) or real(*a))
+    real = BlockHasher.advance
+    monkeypatch.setattr(BlockHasher, "advance", lambda *a: calls.append(1) or real(*a))
     _, manager, session = make(4)
     step(manager, session, new_requests=[new("a", list(range(16))), new("big", list(range(100, 140)))])
     for _ in range(5):  # "big" does not fit: it waits without being sent or hashed again
