@@ -7,19 +7,19 @@ Block ``i``'s hash is the SHA-256 digest of everything up to its end::
 (block size and token ids as little-endian uint32). ``extra_keys`` is a
 length-prefixed encoding of the cache salt and any further namespaces. The
 block size is in it because a block's content is: the same tokens cut into
-other blocks are other blocks. A hash therefore identifies the whole prefix up to and including
-its block, so a lookup can walk a prompt's blocks and stop at the first miss.
-Python's ``hash()`` is never used: a collision would hand one request another
-request's KV.
+other blocks are other blocks. A hash identifies the whole prefix up to and
+including its block, so a lookup can walk a prompt's blocks and stop at the
+first miss. Python's ``hash()`` is never used: a collision would hand one
+request another request's KV.
 
-It is still a chain. SHA-256 itself carries a 32-byte state from one 64-byte
-chunk to the next, and a 16-token block is one chunk. ``BlockHasher`` keeps
-that running state per sequence and reads a digest out after each block,
-instead of starting a new SHA-256 per block over ``parent digest ‖ block``.
-Starting a new hash object is most of a block's cost, so one running hash
-makes a 2k-token prompt's hashes about 1.6x cheaper. The only price: hashing
-more blocks of a sequence needs its hasher, not just its last digest; the
-daemon keeps one per request.
+It is still a chain: SHA-256 carries a 32-byte state from each 64-byte chunk
+of its input to the next (a 16-token block is 64 bytes). ``BlockHasher``
+keeps that running state per sequence and reads a digest out after each
+block, instead of starting a new SHA-256 per block over ``parent digest ‖
+block``. Starting a hash object is most of a short input's cost, so this
+makes a 2k-token prompt's hashes about 1.6x cheaper. The price: hashing more
+blocks of a sequence needs its hasher, not only its last digest; the daemon
+keeps one per request.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ class BlockHasher:
             return []
         data = _little_endian(packed[start * size : end * size])
         width = 4 * size
-        # NOTE: about half of a cold 2k-token prompt's admission is this loop:
+        # NOTE: a third of a cold 2k-token prompt's admission is this loop:
         # its body is one update and one digest, bound once.
         update, digest = self._state.update, self._state.digest
         hashes: list[bytes] = []
