@@ -70,15 +70,6 @@ def pack_tokens(token_ids: Sequence[int]) -> array:
     return packed
 
 
-def token_bytes(token_ids: Sequence[int]) -> bytes:
-    """Token ids as fixed-width little-endian uint32 bytes.
-
-    Raises:
-        ValueError: a token id that is not an integer in [0, 2**32).
-    """
-    return _little_endian(pack_tokens(token_ids))
-
-
 class BlockHasher:
     """One sequence's running block hash: absorbs its full blocks in order.
 

@@ -16,7 +16,6 @@ from kvd.hashing import (
     encode_extra_keys,
     hash_token_ids,
     pack_tokens,
-    token_bytes,
 )
 
 BS = 4
@@ -55,8 +54,10 @@ def test_block_i_hashes_everything_up_to_its_end():
     assert hashes[1] == expected
 
 
-def test_token_bytes_is_little_endian_uint32():
-    assert token_bytes([1, 0x01020304, MAX_TOKEN_ID]) == struct.pack("<3I", 1, 0x01020304, MAX_TOKEN_ID)
+def test_token_ids_are_hashed_as_little_endian_uint32():
+    tokens = [1, 0x01020304, MAX_TOKEN_ID, 0]
+    expected = hashlib.sha256(DOMAIN + struct.pack("<I", 4) + NO_EXTRA + struct.pack("<4I", *tokens)).digest()
+    assert hash_token_ids(tokens, 4, NO_EXTRA) == [expected]
 
 
 def test_extra_keys_encoding_is_length_prefixed():
@@ -197,7 +198,7 @@ def test_bad_token_ids_in_a_full_block_raise_value_error(bad):
     with pytest.raises(ValueError, match="token ids"):
         hash_token_ids([1, 2, bad, 4], BS, NO_EXTRA)
     with pytest.raises(ValueError, match="token ids"):
-        token_bytes([bad])
+        pack_tokens([bad])
 
 
 def test_boundary_token_ids_are_accepted():
