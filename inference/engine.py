@@ -12,13 +12,20 @@ On a GPU the Step's round trip overlaps the forward. Unpipelined, forward N's
 results are read right after it and committed in the Step for N+1. A sequence that hits EOS in
 forward N wastes at most its slot in step N+1.
 
+Every Step is sent only once the forwards before the one in flight have
+written everything (the daemon then hands their blocks to others and copies
+them between tiers). Reading sampled tokens waits for a forward anyway; a
+forward that samples nothing (prefill chunks) is waited for just before the
+next Step, after the following forward was launched, so the device never
+idles for it. Each Step also carries an event recorded after the latest
+forward (``forward_event``): the daemon's tier copies wait for it on the
+device (kvd/session.py: unsettled sessions).
+
 A single thread owns the request table, the model and the daemon session.
 gRPC handlers talk to it through a thread-safe inbox and read each
-sequence's ``events`` queue:
-
-    ("tokens", token_ids, logprobs, text, top_logprobs)   as tokens are sampled
-    ("finished", Finish)                    after the daemon freed its blocks
-    ("error", message)                      the daemon was lost mid-request
+sequence's ``events`` queue, which another thread writes
+(``inference.streams``: text, stop strings), so per-token Python work never
+delays a launch.
 """
 
 from __future__ import annotations
@@ -34,11 +41,11 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from inference.detokenizer import IncrementalDetokenizer
 from inference.load import LoadBoard, LoadReport, PrefillRate
-from inference.model_runner import Chunk, ModelRunner
+from inference.model_runner import NO_MARK, Chunk, ForwardMark, ModelRunner
 from inference.requests import Finish, RequestTable, Sequence, Work
 from inference.sampling import Sampler, make_generator
+from inference.streams import SampledToken, StreamWriter
 from kvd.client import DaemonSession, LeaseLapsed
 
 log = logging.getLogger("inference.engine")
@@ -52,6 +59,7 @@ class Forward:
     chunks: list[Chunk]
     logits: torch.Tensor  # rows for the chunks that want them, in order
     started_s: float  # when its step began (its Step call counts: a prefill waits for it too)
+    mark: ForwardMark = NO_MARK  # its end on the device
 
     @property
     def request_ids(self) -> set[str]:
@@ -121,11 +129,13 @@ class Engine:
         self.runner: ModelRunner | None = None
         self.requests = RequestTable(config.max_num_seqs, config.token_budget)
         self.sampler = Sampler()
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.streams = StreamWriter(tokenizer, on_stop=lambda request_id: self.cancel(request_id, Finish.STOP))
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._forward: Forward | None = None  # in flight: its results are read after the next Step
+        self._unwaited: Forward | None = None  # read without waiting for it: waited for before the next Step
+        self._last_mark = NO_MARK  # the latest forward's (its handle goes in every Step)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._make_runner = make_runner or (lambda cache, block_size: ModelRunner(model, cache, block_size))
         self.steps = 0
@@ -150,6 +160,7 @@ class Engine:
         self._thread.join(timeout=10)
         if self.session is not None:
             self._close_session()
+        self.streams.close()
 
     def submit(self, seq: Sequence) -> None:
         """Queues a sequence. Raises ``EngineUnavailable`` without a daemon."""
@@ -158,9 +169,10 @@ class Engine:
         self._inbox.put(("add", seq))
         self._wake.set()
 
-    def cancel(self, request_id: str) -> None:
-        """Stops a sequence; safe from any thread, for finished ones too."""
-        self._inbox.put(("cancel", request_id))
+    def cancel(self, request_id: str, finish: Finish = Finish.CANCELLED) -> None:
+        """Stops a sequence; safe from any thread, for finished ones too.
+        ``finish``: the reason it reports (a stop string: STOP)."""
+        self._inbox.put(("cancel", (request_id, finish)))
         self._wake.set()
 
     # -------------------------------------------------------------- loop
@@ -200,6 +212,8 @@ class Engine:
         previous = self._forward
         started = time.monotonic()
         msg = self.requests.build_step(previous.request_ids if previous else ())
+        self._wait_unwaited()
+        msg.forward_event = self._last_mark.handle
         reply = self.session.step(msg)
         self.steps += 1
         self._free_blocks = reply.num_free_blocks
@@ -211,7 +225,7 @@ class Engine:
         if previous is not None:
             self._read_results(previous)
         for seq in released:  # their commits and frees are in the daemon now
-            seq.events.put(("finished", seq.finish))
+            self.streams.finished(seq)
         work = [w for w in work if not w.seq.is_finished]  # finished by the results just read
         if not work:
             return previous is not None
@@ -219,7 +233,9 @@ class Engine:
             self.runner.wait_for_copies(reply.copy_events)
         chunks = [self._chunk(w) for w in work]
         self.session.check_lease()  # never write into blocks that may be someone else's by now
-        self._forward = Forward(work, chunks, self.runner.forward(chunks), started)
+        logits = self.runner.forward(chunks)
+        self._last_mark = self.runner.mark_forward()
+        self._forward = Forward(work, chunks, logits, started, self._last_mark)
         if not self.config.pipelined:
             self._forward, forward = None, self._forward
             self._read_results(forward)
@@ -253,18 +269,26 @@ class Engine:
                 seq.finish = Finish.LENGTH  # a warm-up whose prompt is now in the cache
                 self._finished(seq)
         if not sampling:
-            # Reading sampled tokens waits for the forward; without any, wait
-            # here: the next Step commits these blocks, and the daemon may copy
-            # them to its host tier at once, from another process and stream.
-            self.runner.wait_for_writes()
-            self._observe_rate(forward)
+            # Reading sampled tokens waits for the forward; without any, it is
+            # waited for before the next Step (which commits these blocks), once
+            # the next forward is launched.
+            self._unwaited = forward
             return
         sampled = self.sampler.sample(forward.logits, [s.params for s in sampling], [s.generator for s in sampling])
         self._observe_rate(forward)  # reading the sampled tokens waited for the forward
+        batch: list[SampledToken] = []
         for i, seq in enumerate(sampling):
             if seq.is_finished:  # cancelled while its forward ran: its token is dropped
                 continue
-            self._append_token(seq, sampled.tokens[i], sampled.logprobs[i], sampled.top[i])
+            batch.append(self._append_token(seq, sampled.tokens[i], sampled.logprobs[i], sampled.top[i]))
+        self.streams.tokens(batch)
+
+    def _wait_unwaited(self) -> None:
+        """Waits for a forward read without waiting (see the module's docstring)."""
+        if self._unwaited is not None:
+            forward, self._unwaited = self._unwaited, None
+            forward.mark.wait()
+            self._observe_rate(forward)
 
     def _observe_rate(self, forward: Forward) -> None:
         tokens = sum(len(c.token_ids) for c in forward.chunks)
@@ -287,29 +311,26 @@ class Engine:
 
     def _append_token(
         self, seq: Sequence, token: int, logprob: float, top: tuple[list[int], list[float]] | None
-    ) -> None:
+    ) -> SampledToken:
+        """Takes a sampled token; ends the sequence on EOS, a stop token or its
+        length (stop strings: ``inference.streams``). Returns its stream entry."""
         if seq.first_token_s is None:
             seq.first_token_s = time.monotonic()
         seq.output_ids.append(token)
         seq.output_logprobs.append(logprob)
-        detok = self._detokenizers[seq.request_id]
-        text = detok.push([token])
         params = seq.params
         if token in self.eos_token_ids and not params.ignore_eos:
             seq.finish = Finish.EOS
-        elif token in params.stop_token_ids or detok.stopped:
+        elif token in params.stop_token_ids:
             seq.finish = Finish.STOP
         elif len(seq.output_ids) >= params.max_new_tokens:
             seq.finish = Finish.LENGTH
-        if seq.finish is not None:
-            text += "" if detok.stopped else detok.finish()
-        seq.events.put(("tokens", [token], [logprob] if params.logprobs else [], text, [top] if top else []))
         self.requests.sampled(seq, token)
         if seq.finish is not None:
             self._finished(seq)
+        return seq, token, logprob, top, seq.finish is not None
 
     def _finished(self, seq: Sequence) -> None:
-        self._detokenizers.pop(seq.request_id, None)
         self.requests.finished(seq)
 
     def _drain_inbox(self) -> None:
@@ -320,15 +341,11 @@ class Engine:
                 return
             if kind == "add":
                 item.generator = make_generator(item.params.seed)
-                self._detokenizers[item.request_id] = IncrementalDetokenizer(
-                    self.tokenizer, item.prompt_ids, item.params.stop
-                )
                 self.requests.add(item)
             else:
-                self._detokenizers.pop(item, None)
-                seq = self.requests.cancel(item)
+                seq = self.requests.cancel(*item)
                 if seq is not None:  # the daemon never heard of it
-                    seq.events.put(("finished", seq.finish))
+                    self.streams.finished(seq)
 
     # ------------------------------------------------------------ daemon
 
@@ -355,23 +372,23 @@ class Engine:
         """Ends every request with an error, never with wrong tokens."""
         log.error("lost the KV-cache daemon; failing in-flight requests", extra={"error": message})
         self._drain_inbox()
-        self._forward = None
+        self._forward = self._unwaited = None
         for seq in self.requests.drop_all():
             if seq.finish not in (None, Finish.ERROR):
                 # It has all its tokens; only its free was pending, and the
                 # daemon releases a lost session's blocks by itself.
-                seq.events.put(("finished", seq.finish))
+                self.streams.finished(seq)
                 continue
             seq.error = message
             seq.finish = Finish.ERROR
-            seq.events.put(("error", message))
-        self._detokenizers.clear()
+            self.streams.error(seq, message)
         self._close_session()
         self._on_health(False)
 
     def _close_session(self) -> None:
         session, runner = self.session, self.runner
         self.session, self.runner = None, None
+        self._last_mark = NO_MARK  # the next runner records into events of its own
         if session is None:
             return
         # NOTE: detaching tells the daemon we no longer write: a lapsed

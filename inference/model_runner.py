@@ -215,6 +215,36 @@ class StepStaging:
         return buffer[:size]
 
 
+class ForwardMark:
+    """Marks the end of one forward on the device: an interprocess CUDA event
+    recorded right after its launch (none on the CPU, where a forward is done
+    when ``forward`` returns).
+
+    Attributes:
+        handle: the event's IPC handle, for the daemon (b"" on the CPU).
+    """
+
+    __slots__ = ("event", "handle")
+
+    def __init__(self, event: torch.cuda.Event | None = None, handle: bytes = b"") -> None:
+        self.event = event
+        self.handle = handle
+
+    def wait(self) -> None:
+        """Returns once the forward's writes have landed."""
+        if self.event is not None:
+            self.event.synchronize()
+
+
+#: A finished forward's mark on the CPU.
+NO_MARK = ForwardMark()
+
+#: Forward events an engine records into, in turn. Re-recording one is safe
+#: once the daemon's waits on its previous record were queued, which happened
+#: in the Step that carried it: two are enough; a few more cost nothing.
+_FORWARD_EVENTS = 4
+
+
 class ModelRunner:
     """A causal LM whose attention reads and writes the paged cache.
 
@@ -238,6 +268,22 @@ class ModelRunner:
         self.before_write: Callable[[], None] | None = None
         on_gpu = self.device.type == "cuda"
         self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if on_gpu else 0
+        self._marks = [self._new_mark() for _ in range(_FORWARD_EVENTS)] if kv_cache.is_cuda else []
+        self._next_mark = 0
+
+    def _new_mark(self) -> ForwardMark:
+        event = torch.cuda.Event(interprocess=True)  # also never timed: cheap to record
+        event.record(torch.cuda.current_stream(self.kv_cache.device))  # a handle needs a recorded event
+        return ForwardMark(event, event.ipc_handle())
+
+    def mark_forward(self) -> ForwardMark:
+        """Records the end of the forward just launched (see :class:`ForwardMark`)."""
+        if not self._marks:
+            return NO_MARK
+        mark = self._marks[self._next_mark]
+        self._next_mark = (self._next_mark + 1) % len(self._marks)
+        mark.event.record(torch.cuda.current_stream(self.kv_cache.device))
+        return mark
 
     def wait_for_copies(self, event_handles: list[bytes]) -> None:
         """Makes this process's stream wait for the daemon's copies into the

@@ -140,14 +140,15 @@ class RequestTable:
         self.seqs[seq.request_id] = seq
         self._unsent[seq.request_id] = seq
 
-    def cancel(self, request_id: str) -> Sequence | None:
-        """Marks a sequence cancelled. Returns it when it can be dropped at
-        once (the daemon never heard of it); otherwise its free is reported in
-        a coming Step and it comes back through ``apply`` as released."""
+    def cancel(self, request_id: str, finish: Finish = Finish.CANCELLED) -> Sequence | None:
+        """Ends a sequence early (``finish``: the reason it reports). Returns it
+        when it can be dropped at once (the daemon never heard of it);
+        otherwise its free is reported in a coming Step and it comes back
+        through ``apply`` as released."""
         seq = self.seqs.get(request_id)
         if seq is None or request_id in self._finished:
             return None
-        seq.finish = seq.finish or Finish.CANCELLED
+        seq.finish = seq.finish or finish
         if self._unsent.pop(request_id, None) is not None:
             del self.seqs[request_id]
             return seq

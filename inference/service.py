@@ -89,8 +89,9 @@ class EngineService(pb_grpc.EngineServicer):
                     top_logprobs=[pb.TopLogprobs(token_ids=ids, logprobs=lps) for ids, lps in top],
                 )
             elif event[0] == "finished":
+                _, finish, completion_tokens = event
                 yield pb.GenerateResponse(
-                    request_id=response_id, finish_reason=_FINISH_TO_PB[event[1]], usage=usage(seq)
+                    request_id=response_id, finish_reason=_FINISH_TO_PB[finish], usage=usage(seq, completion_tokens)
                 )
                 return
             else:
@@ -283,13 +284,14 @@ def _sampling_params(msg: pb.SamplingParams) -> SamplingParams:
     )
 
 
-def usage(seq: Sequence) -> pb.Usage:
+def usage(seq: Sequence, completion_tokens: int) -> pb.Usage:
+    """``completion_tokens``: the tokens streamed (a stop string drops those sampled after it)."""
     ttft = (seq.first_token_s - seq.arrival_s) if seq.first_token_s is not None else 0.0
     return pb.Usage(
         prompt_tokens=len(seq.prompt_ids),
         cached_prompt_tokens=max(seq.num_cached_prompt, 0),
         host_cached_prompt_tokens=seq.num_host_cached_prompt,
-        completion_tokens=len(seq.output_ids),
+        completion_tokens=completion_tokens,
         time_to_first_token_s=ttft,
     )
 

@@ -195,8 +195,13 @@ class Daemon:
             reply = run_step(cache.manager, session, msg, block_cap)
             if cache.copier is not None:
                 offloads, swap_ins = cache.manager.take_copies()
-                cache.copier.copy_out(offloads)
-                cache.copier.copy_in(swap_ins)
+                # NOTE: the blocks copied out were written by this engine's
+                # forwards (done, by the Step contract; the wait makes it so on
+                # the device too); the blocks copied into may still be read or
+                # written by a forward that was in flight when they were given
+                # up (kvd.session: unsettled sessions).
+                cache.copier.copy_out(offloads, after=[msg.forward_event] if msg.forward_event else [])
+                cache.copier.copy_in(swap_ins, after=self.sessions.unsettled_forwards())
                 reply.copy_events.extend(cache.copier.pending_events())
             self._publish()
             return reply

@@ -10,6 +10,12 @@ Incoming copies (host to device, a host-tier hit) must be done before the
 engine reads the blocks: without a GPU they run in the step itself; on CUDA
 they are queued on the same stream and the step's reply carries an
 interprocess event for the engine's stream to wait on.
+
+The other direction of that wait: on CUDA a copy must not start while an
+engine's forward may still write or read its blocks. Each submit takes the
+engines' forward events to wait for first (``after``: interprocess event
+handles, opened once each and kept: an engine records into a small ring of
+events, so the same few handles come back every step).
 """
 
 from __future__ import annotations
@@ -35,6 +41,10 @@ SwapIn = tuple[HostSlot, Block]
 #: Events of incoming copies kept alive after they finished, so that an engine
 #: that has not opened a reply's event handle yet never opens a destroyed one.
 _RETIRED_EVENTS_KEPT = 256
+
+#: Engines' forward events kept open (a ring of a few per engine; more than
+#: any daemon has engines).
+_ENGINE_EVENTS_KEPT = 64
 
 
 @dataclass
@@ -96,6 +106,7 @@ class TierCopier:
         self._stream = torch.cuda.Stream(device=cache.device) if self.on_cuda else None
         self._pending_in: dict[int, bytes] = {}  # job id -> event handle, CUDA only
         self._retired = collections.deque(maxlen=_RETIRED_EVENTS_KEPT)
+        self._engine_events: collections.OrderedDict[bytes, torch.cuda.Event] = collections.OrderedDict()
         self._next_job = 0
         self._worker = threading.Thread(target=self._run, name="kvd-offload", daemon=True)
         self._worker.start()
@@ -103,13 +114,15 @@ class TierCopier:
     # ------------------------------------------------------------ submit
     # Both are called under the daemon's lock.
 
-    def copy_out(self, offloads: Sequence[Offload]) -> None:
-        """Starts copying device blocks to their host slots; returns at once."""
+    def copy_out(self, offloads: Sequence[Offload], after: Sequence[bytes] = ()) -> None:
+        """Starts copying device blocks to their host slots; returns at once.
+        On CUDA the copies start once the events ``after`` have completed."""
         if not offloads:
             return
         started = time.perf_counter()
         event = None
         if self._stream is not None:
+            self._wait_for_engines(after)
             with torch.cuda.stream(self._stream):
                 for block, slot in offloads:
                     self.host[slot.slot_id].copy_(self.cache[block.block_id], non_blocking=True)
@@ -117,9 +130,10 @@ class TierCopier:
                 event.record(self._stream)
         self._submit(("out", list(offloads), event, started))
 
-    def copy_in(self, swap_ins: Sequence[SwapIn]) -> None:
+    def copy_in(self, swap_ins: Sequence[SwapIn], after: Sequence[bytes] = ()) -> None:
         """Copies host slots into device blocks: done on return without a GPU;
-        on CUDA queued, with an event in :meth:`pending_events` until done."""
+        on CUDA queued behind the events ``after``, with an event in
+        :meth:`pending_events` until done."""
         if not swap_ins:
             return
         started = time.perf_counter()
@@ -132,6 +146,7 @@ class TierCopier:
         # The stream first waits for the daemon's own work on the cache (none
         # today but the initial zeroing), then copies behind earlier offloads.
         self._stream.wait_stream(torch.cuda.current_stream(self.cache.device))
+        self._wait_for_engines(after)
         with torch.cuda.stream(self._stream):
             for slot, block in swap_ins:
                 self.cache[block.block_id].copy_(self.host[slot.slot_id], non_blocking=True)
@@ -141,6 +156,19 @@ class TierCopier:
         self._next_job += 1
         self._pending_in[job_id] = event.ipc_handle()
         self._submit(("in", list(swap_ins), event, started, job_id))
+
+    def _wait_for_engines(self, handles: Sequence[bytes]) -> None:
+        """Makes the copy stream wait for engines' interprocess events (CUDA)."""
+        for handle in handles:
+            event = self._engine_events.get(handle)
+            if event is None:
+                event = torch.cuda.Event.from_ipc_handle(self.cache.device, handle)
+                self._engine_events[handle] = event
+                if len(self._engine_events) > _ENGINE_EVENTS_KEPT:
+                    self._engine_events.popitem(last=False)
+            else:
+                self._engine_events.move_to_end(handle)
+            self._stream.wait_event(event)
 
     def pending_events(self) -> list[bytes]:
         """Event handles of incoming copies not known to be finished (CUDA):

@@ -25,6 +25,16 @@ until its engine can no longer write.
       preempt r: r's blocks without a hash    what is left of the fence goes
       are fenced (hashed ones are released);  back to the pool, then this
       this session may reuse them at once     Step's own give-ups are fenced
+
+On a GPU the fence's host-side rule has a device-side twin. A tier copy into
+a block starts at Step time on the daemon's copy stream, which knows nothing
+of the engine's stream: a swap-in into a fenced block (the session's own
+admission takes those first), or into a hashed block just given up that the
+forward in flight still reads, would race that forward. So a Step that gives
+up blocks while a forward is in flight leaves the session *unsettled* until
+its next Step: every copy into the cache started meanwhile, by any session's
+Step, first waits for that forward's event (``forward_event``, an
+interprocess CUDA event the engine records after each forward).
 """
 
 from __future__ import annotations
@@ -86,6 +96,11 @@ class Session:
             the session's next Step (see the module's docstring).
         process: the engine's process as it named itself at attach (None:
             unnamed), checked when the session's lease lapses (kvd.quarantine).
+        forward_event: the IPC handle of the event its engine recorded after
+            its latest forward, as the current Step brought it (b"": none, or
+            no GPU).
+        gave_up_in_flight: the current Step freed or fenced blocks while a
+            forward was in flight (see ``unsettled_forward``).
     """
 
     session_id: str
@@ -103,6 +118,8 @@ class Session:
     forward_in_flight: bool = False
     fenced: list[Block] = field(default_factory=list)
     process: ProcessIdentity | None = None
+    forward_event: bytes = b""
+    gave_up_in_flight: bool = False
 
     def get(self, request_id: str) -> Request:
         """The request ``request_id``, running or waiting.
@@ -117,6 +134,13 @@ class Session:
         if request_id in self.recently_freed:
             raise ValueError(f"request {request_id!r} was already released")
         raise NotFoundError(f"unknown request {request_id!r} in session {self.session_id}")
+
+    @property
+    def unsettled_forward(self) -> bytes:
+        """The event of the forward that may still read or write blocks this
+        session's current Step gave up (b"": none). Copies into the cache wait
+        for it until the session's next Step."""
+        return self.forward_event if self.gave_up_in_flight else b""
 
     @property
     def num_blocks_held(self) -> int:
@@ -162,6 +186,7 @@ class Session:
         for request in list(self.requests.values()):
             self.release(manager, request)
         self.lift_fence(manager)
+        self.gave_up_in_flight = False
         return count
 
     def lift_fence(self, manager: KVCacheManager) -> None:
@@ -171,6 +196,8 @@ class Session:
             manager.pool.release(fenced)
 
     def _free(self, manager: KVCacheManager, request: Request) -> None:
+        if self.forward_in_flight:
+            self.gave_up_in_flight = True
         manager.free(request, self.fenced if self.forward_in_flight else None)
 
     def _wait(self, request: Request) -> None:
@@ -196,6 +223,8 @@ class Session:
         # the last Step, so what that Step fenced is free to go.
         self.lift_fence(manager)
         self.forward_in_flight = msg.forward_in_flight
+        self.forward_event = msg.forward_event
+        self.gave_up_in_flight = False
         if msg.HasField("settings"):
             self.max_num_seqs = msg.settings.max_num_seqs
             self.token_budget = msg.settings.token_budget
@@ -346,6 +375,11 @@ class SessionRegistry:
             return None
         busy = sum(1 for s in self.sessions.values() if s.requests)
         return num_blocks // max(busy, 1)
+
+    def unsettled_forwards(self) -> list[bytes]:
+        """The events every copy into the cache must wait for now (see
+        ``Session.unsettled_forward``)."""
+        return [s.unsettled_forward for s in self.sessions.values() if s.unsettled_forward]
 
     @property
     def num_requests(self) -> int:

@@ -69,9 +69,13 @@ def test_a_stop_string_ends_the_output_and_is_not_returned(engine, tokenizer):
     ids = tokenizer.encode("Count: 1, 2, 3, 4, 5, 6, 7,", add_special_tokens=False)
     unstopped, full_text, _ = generate(engine, request(ids, 16))
     assert " 9" in full_text, full_text
-    _, text, final = generate(engine, request(ids, 16, stop=[" 9"]))
+    tokens, text, final = generate(engine, request(ids, 16, stop=[" 9"]))
     assert final.finish_reason == pb.FINISH_REASON_STOP
     assert text == full_text[: full_text.index(" 9")]
+    # The stop string is found off the engine's loop, maybe a step late: the
+    # tokens sampled after it never reach the client, nor its count.
+    assert tokens == unstopped[: len(tokens)] and final.usage.completion_tokens == len(tokens)
+    assert " 9" in tokenizer.decode(tokens) and " 9" not in tokenizer.decode(tokens[:-1])
 
 
 def test_seeded_sampling_is_reproducible(engine, tokenizer):

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from inference.engine import Engine, EngineConfig
-from inference.model_runner import Chunk
+from inference.model_runner import NO_MARK, Chunk, ForwardMark
 from inference.requests import Sequence
 from inference.sampling import SamplingParams
 from kvd.client import DaemonClient
@@ -77,6 +77,9 @@ class FakeRunner:
                 logits[next_token(seen)] = 0.0
                 rows.append(logits)
         return torch.stack(rows) if rows else torch.empty(0, VOCAB)
+
+    def mark_forward(self) -> ForwardMark:
+        return NO_MARK
 
     def wait_for_writes(self) -> None:
         pass
@@ -317,3 +320,56 @@ def test_an_engine_detaches_only_after_its_forward_in_flight_wrote(daemon):
     session.detach = lambda: log.append("detach") or real_detach()
     engine.stop()  # pipelined and decoding: a forward is in flight between Steps
     assert log[-2:] == ["wait", "detach"]
+
+
+def test_each_step_waits_for_every_forward_but_the_one_in_flight_and_names_the_latest(daemon):
+    """Prefills that sample nothing are not waited for where they are read
+    (that would idle a GPU while the next forward is launched) but before the
+    next Step, which may hand their blocks to others and copy them between
+    tiers; every Step names the latest forward's event for the daemon's copies."""
+    log: list[tuple] = []
+
+    class Mark(ForwardMark):
+        def wait(self) -> None:
+            log.append(("wait", self.handle))
+
+    class MarkingRunner(FakeRunner):
+        def mark_forward(self) -> ForwardMark:
+            log.append(("launch", f"f{self.forwards}".encode()))
+            return Mark(None, f"f{self.forwards}".encode())
+
+    engine = start_engine(daemon, "marks", token_budget=4, make_runner=MarkingRunner)
+    session = engine.session
+    real_step = session.step
+
+    def logged_step(msg, timeout_s=None):
+        log.append(("step", msg.forward_event))
+        return real_step(msg, timeout_s)
+
+    session.step = logged_step
+    try:
+        # Warm-ups (prefill only: nothing sampled) in chunks of 4 tokens.
+        warmups = [
+            Sequence(f"w{i}", list(range(10 * i, 10 * i + 13)), SamplingParams(), prefill_only=True) for i in range(3)
+        ]
+        for seq in warmups:
+            engine.submit(seq)
+        for seq in warmups:
+            assert collect(seq)[1] == "finished:length"
+    finally:
+        engine.stop()
+    launched: list[bytes] = []
+    waited: set[bytes] = set()
+    steps = 0
+    for kind, handle in log:
+        if kind == "launch":
+            launched.append(handle)
+        elif kind == "wait":
+            waited.add(handle)
+        elif launched:
+            steps += 1
+            assert handle == launched[-1], log
+            assert set(launched[:-1]) <= waited, (
+                f"a Step went out before forwards {set(launched[:-1]) - waited} were done"
+            )
+    assert steps >= 6 and len(launched) >= 6, log

@@ -41,9 +41,24 @@ def commits(*entries) -> pb.Commits:
     return msg
 
 
-def step(manager, session, *, new_requests=(), done=(), finished=(), in_flight=False, settings=None, block_cap=None):
+def step(
+    manager,
+    session,
+    *,
+    new_requests=(),
+    done=(),
+    finished=(),
+    in_flight=False,
+    settings=None,
+    block_cap=None,
+    event=b"",
+):
     msg = pb.StepRequest(
-        new_requests=list(new_requests), commits=commits(*done), finished=list(finished), forward_in_flight=in_flight
+        new_requests=list(new_requests),
+        commits=commits(*done),
+        finished=list(finished),
+        forward_in_flight=in_flight,
+        forward_event=event,
     )
     if settings is not None:
         msg.settings.CopyFrom(settings)
@@ -368,6 +383,31 @@ def test_a_bad_step_keeps_the_fence():
     with pytest.raises(NotFoundError):
         step(manager, a, finished=["nobody"])
     assert len(a.fenced) == 1 and pool.num_free == 0
+
+
+def test_giving_up_blocks_under_a_forward_makes_copies_wait_for_it_until_the_next_step():
+    registry, pool, manager, a, b = two_sessions_on_a_full_pool()
+    step(manager, a, in_flight=True, event=b"forward-1")  # preempts "new" while forward 1 runs
+    assert registry.unsettled_forwards() == [b"forward-1"]
+    step(manager, b, new_requests=[new("other", [7, 7, 7])])  # another session's Step: still unsettled
+    assert registry.unsettled_forwards() == [b"forward-1"]
+    step(manager, a, done=[("old", 8, [8]), ("new", 6, [106])], in_flight=True, event=b"forward-2")
+    assert registry.unsettled_forwards() == []  # forward 1 is done; this Step gave nothing up
+
+
+def test_a_finished_request_under_a_forward_unsettles_its_session_too():
+    registry, pool, manager, a, b = two_sessions_on_a_full_pool()
+    step(manager, a, finished=["old"], in_flight=True, event=b"forward-1")
+    assert registry.unsettled_forwards() == [b"forward-1"]
+    registry.close(a.session_id, manager)  # an engine detaches once its writes landed
+    assert registry.unsettled_forwards() == []
+
+
+def test_giving_up_blocks_with_no_forward_in_flight_or_no_event_unsettles_nothing():
+    registry, pool, manager, a, b = two_sessions_on_a_full_pool()
+    step(manager, a, finished=["old"], event=b"forward-1")  # nothing in flight: forward 1 was read
+    step(manager, a, finished=["new"], in_flight=True)  # in flight, but no GPU event (CPU)
+    assert registry.unsettled_forwards() == []
 
 
 # ------------------------------------------------------------------ fairness

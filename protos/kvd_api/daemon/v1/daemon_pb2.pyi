@@ -200,20 +200,22 @@ class SessionSettings(_message.Message):
     def __init__(self, max_num_seqs: _Optional[int] = ..., token_budget: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("session_id", "new_requests", "commits", "finished", "forward_in_flight", "settings")
+    __slots__ = ("session_id", "new_requests", "commits", "finished", "forward_in_flight", "settings", "forward_event")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     COMMITS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     FORWARD_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     SETTINGS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_EVENT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     commits: Commits
     finished: _containers.RepeatedScalarFieldContainer[str]
     forward_in_flight: bool
     settings: SessionSettings
-    def __init__(self, session_id: _Optional[str] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., commits: _Optional[_Union[Commits, _Mapping]] = ..., finished: _Optional[_Iterable[str]] = ..., forward_in_flight: _Optional[bool] = ..., settings: _Optional[_Union[SessionSettings, _Mapping]] = ...) -> None: ...
+    forward_event: bytes
+    def __init__(self, session_id: _Optional[str] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., commits: _Optional[_Union[Commits, _Mapping]] = ..., finished: _Optional[_Iterable[str]] = ..., forward_in_flight: _Optional[bool] = ..., settings: _Optional[_Union[SessionSettings, _Mapping]] = ..., forward_event: _Optional[bytes] = ...) -> None: ...
 
 class Scheduled(_message.Message):
     __slots__ = ("request_ids", "first_positions", "num_tokens", "num_cached_tokens", "num_new_blocks", "new_block_ids", "num_host_cached_tokens")

@@ -1,0 +1,139 @@
+"""What a request's gRPC handler reads, made on a thread of its own.
+
+The engine's loop hands over each step's sampled tokens in one batch and goes
+on launching; this module's thread turns them into text (incremental
+detokenizing, stop strings) and puts the messages on each request's
+``events`` queue, which its handler streams out:
+
+    ("tokens", token_ids, logprobs, text, top_logprobs)   as tokens are sampled
+    ("finished", Finish, completion_tokens)               after the daemon freed its blocks
+    ("error", message)                                    the daemon was lost mid-request
+
+Every message of a request goes through this thread, in the order the loop
+sent it, so a request's tokens always come before its end.
+
+A stop string is found here, possibly a step or two after the loop sampled
+its token. The thread then asks the engine to stop the request (``on_stop``)
+and drops every token sampled after the stop: the client sees the same
+tokens, text, count and finish reason as if the loop had checked the stop
+string itself (end-of-sequence at the same token still wins, as there).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from inference.detokenizer import IncrementalDetokenizer
+from inference.requests import Finish, Sequence
+
+log = logging.getLogger("inference.streams")
+
+#: One sampled token: (sequence, token id, its logprob, (top ids, top
+#: logprobs) or None, whether the loop ended the sequence with it).
+SampledToken = tuple[Sequence, int, float, "tuple[list[int], list[float]] | None", bool]
+
+
+@dataclass(slots=True)
+class _Stream:
+    """The thread's state of one request."""
+
+    detokenizer: IncrementalDetokenizer
+    emitted: int = 0  # tokens sent to the handler
+    stopped: Finish | None = None  # set once a stop string ended it here
+
+
+class StreamWriter:
+    """The thread that writes every request's ``events``.
+
+    Args:
+        tokenizer: the model's tokenizer (for text deltas and stop strings).
+        on_stop: called with a request id when a stop string ends it (the
+            engine's loop then releases it like a cancelled request).
+    """
+
+    def __init__(self, tokenizer, on_stop: Callable[[str], None]) -> None:
+        self.tokenizer = tokenizer
+        self._on_stop = on_stop
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}  # this thread's only
+        self._thread = threading.Thread(target=self._run, name="engine-streams", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------ the loop's side
+
+    def tokens(self, batch: list[SampledToken]) -> None:
+        """A step's sampled tokens, in the order they were sampled."""
+        if batch:
+            self._jobs.put(("tokens", batch))
+
+    def finished(self, seq: Sequence) -> None:
+        """The daemon freed ``seq``'s blocks (or never had any): its last message."""
+        self._jobs.put(("finished", seq))
+
+    def error(self, seq: Sequence, message: str) -> None:
+        self._jobs.put(("error", (seq, message)))
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Waits until every message handed over so far is written (tests, stop)."""
+        done = threading.Event()
+        self._jobs.put(("flush", done))
+        return done.wait(timeout_s)
+
+    def close(self) -> None:
+        self._jobs.put(("close", None))
+        self._thread.join(timeout=10)
+
+    # ------------------------------------------------ the thread's side
+
+    def _run(self) -> None:
+        while True:
+            kind, item = self._jobs.get()
+            try:
+                if kind == "tokens":
+                    self._write_tokens(item)
+                elif kind == "finished":
+                    self._write_finished(item)
+                elif kind == "error":
+                    self._write_error(*item)
+                elif kind == "flush":
+                    item.set()
+                else:
+                    return
+            except Exception:  # a bad tokenizer call must not silence every other stream
+                log.exception("writing a stream message failed", extra={"kind": kind})
+
+    def _write_tokens(self, batch: list[SampledToken]) -> None:
+        for seq, token, logprob, top, final in batch:
+            stream = self._streams.get(seq.request_id)
+            if stream is None:
+                detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids, seq.params.stop)
+                stream = self._streams[seq.request_id] = _Stream(detokenizer)
+            if stream.stopped is not None:
+                continue  # sampled before the loop heard of the stop string
+            detokenizer = stream.detokenizer
+            text = detokenizer.push([token])
+            if detokenizer.stopped:
+                # The loop's verdict for this same token wins only when it was EOS.
+                stream.stopped = Finish.EOS if final and seq.finish is Finish.EOS else Finish.STOP
+                if not final:
+                    self._on_stop(seq.request_id)
+            elif final:
+                text += detokenizer.finish()
+            stream.emitted += 1
+            params = seq.params
+            seq.events.put(("tokens", [token], [logprob] if params.logprobs else [], text, [top] if top else []))
+
+    def _write_finished(self, seq: Sequence) -> None:
+        stream = self._streams.pop(seq.request_id, None)
+        if stream is None:
+            seq.events.put(("finished", seq.finish, 0))
+            return
+        seq.events.put(("finished", stream.stopped or seq.finish, stream.emitted))
+
+    def _write_error(self, seq: Sequence, message: str) -> None:
+        self._streams.pop(seq.request_id, None)
+        seq.events.put(("error", message))
