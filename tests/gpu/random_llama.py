@@ -21,8 +21,9 @@ import torch
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
-def build(folder: Path, tokenizer_dir: Path | None = None, seed: int = 0):
-    """Writes the model (and a tokenizer) to ``folder``; returns the model (CPU, bfloat16)."""
+def build(folder: Path, tokenizer_dir: Path | None = None, seed: int = 0, device: str = "cpu"):
+    """Writes the model (and a tokenizer) to ``folder``; returns the model (bfloat16, on ``device``:
+    initialising 1B parameters takes seconds on a GPU, tens of seconds on a CPU)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     vocab_size = len(AutoTokenizer.from_pretrained(tokenizer_dir)) if tokenizer_dir else 32000
@@ -32,7 +33,8 @@ def build(folder: Path, tokenizer_dir: Path | None = None, seed: int = 0):
         num_key_value_heads=8, vocab_size=vocab_size, max_position_embeddings=4096, torch_dtype="bfloat16",
         bos_token_id=1, eos_token_id=2,
     )  # fmt: skip
-    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     if tokenizer_dir:
@@ -58,6 +60,7 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path)
     p.add_argument("--tokenizer", type=Path, help="copy this folder's tokenizer (its vocabulary sizes the model)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where to initialise it")
     args = p.parse_args()
-    build(args.out, args.tokenizer)
+    build(args.out, args.tokenizer, device=args.device)
     print(f"random Llama written to {args.out}", file=sys.stderr)
