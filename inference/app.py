@@ -6,9 +6,10 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import torch
 
-from inference import attention, model_store, model_support
+from inference import attention, model_identity, model_store, model_support
 from inference.engine import Engine, EngineConfig
 from inference.service import EngineService, ModelInfo, build_server
 from kvd.client import DaemonClient, DaemonSession
@@ -48,7 +49,8 @@ class EngineApp:
         self.settings = settings
         self.device = _resolve_device(settings.device)
         self.dtype = settings.dtype or model_store.default_dtype(self.device)
-        path = model_store.resolve_model(settings.model, settings.model_cache_dir or model_store.default_cache_dir())
+        cache_dir = settings.model_cache_dir or model_store.default_cache_dir()
+        path = model_store.resolve_model(settings.model, cache_dir)
         model_support.check_supported(model_store.load_config(path))  # before loading any weights
         self.model = model_store.load_model(path, model_store.parse_dtype(self.dtype), self.device)
         self.tokenizer = model_store.load_tokenizer(path)
@@ -57,6 +59,8 @@ class EngineApp:
         self.model.set_attn_implementation(attention.BACKENDS[self.backend])
         kv = self.spec.layout
         self.layout = CacheLayout(kv.num_layers, kv.num_kv_heads, kv.head_dim, 1, self.dtype)
+        # NOTE: blocks of another model with the same layout would be garbage here (kvd.identity).
+        self.identity = model_identity.identify(path, self.model.config.model_type, cache_dir / "digests")
         self.engine = Engine(
             self.model,
             self.tokenizer,
@@ -100,7 +104,12 @@ class EngineApp:
     def _attach(self) -> DaemonSession:
         client = DaemonClient.connect(self.settings.kvd_address, timeout_s=2.0, token=self.settings.kvd_token)
         try:
-            session = client.attach(f"engine:{self.info.name}", self.layout)
+            session = client.attach(f"engine:{self.info.name}", self.layout, model=self.identity)
+        except grpc.RpcError as err:
+            client.close()
+            if err.code() == grpc.StatusCode.FAILED_PRECONDITION:  # another model, layout or release: final
+                raise ValueError(f"the KV-cache daemon refused this engine: {err.details()}") from None
+            raise
         except Exception:
             client.close()
             raise

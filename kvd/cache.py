@@ -23,6 +23,7 @@ from kvd.config import DaemonConfig
 from kvd.errors import PreconditionError
 from kvd.hashing import BlockHasher, encode_extra_keys, pack_tokens
 from kvd.host_tier import HostTier
+from kvd.identity import ModelIdentity
 from kvd.layout import CacheLayout
 from kvd.memory import KVMemory
 from kvd.offload import Offload, SwapIn, TierCopier
@@ -59,6 +60,7 @@ class KVCache:
         num_blocks = config.num_blocks or layout.num_blocks_for(config.memory_budget_bytes)
         self.memory = KVMemory(layout, num_blocks, config.device, config.shm_dir)
         self.cache_id = uuid.uuid4().hex  # a new cache, a new id: engines tell restarts apart
+        self.model: ModelIdentity | None = None  # named by the first engine that names one (kvd.identity)
         self.pool = BlockPool(num_blocks, enable_caching=config.enable_caching, record_events=True)
         num_host_blocks = config.host_num_blocks or (config.host_memory_budget_bytes // layout.block_bytes)
         self.host: HostTier | None = None
@@ -81,6 +83,25 @@ class KVCache:
     @property
     def layout(self) -> CacheLayout:
         return self.memory.layout
+
+    def admit_model(self, model: ModelIdentity) -> None:
+        """Takes an attaching engine's model: the cache's from now on if it has
+        none yet, else it must be the same one.
+
+        Raises:
+            PreconditionError: another model, naming what differs.
+        """
+        if self.model is None:
+            self.model = model
+            log.info("cache model", extra={"model": model.describe(), "fingerprint": model.fingerprint()})
+            return
+        differences = self.model.differences(model)
+        if differences:
+            raise PreconditionError(
+                f"the engine's model {model.describe()} is not this cache's {self.model.describe()} "
+                f"({'; '.join(differences)}): its blocks would hold another model's numbers under the same "
+                "hashes; serve it from a daemon of its own"
+            )
 
     # Called by the copier's worker, under the lock.
     def _offloaded(self, offloads: Sequence[Offload]) -> None:

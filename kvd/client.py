@@ -16,6 +16,7 @@ import torch
 
 from kvd import wire
 from kvd.auth import BearerToken
+from kvd.identity import ModelIdentity
 from kvd.layout import CacheLayout
 from kvd.memory import map_kv_cache
 from kvd.process_identity import ProcessIdentity
@@ -42,12 +43,19 @@ class DaemonClient:
             raise ConnectionError(f"the daemon at {address} did not answer within {timeout_s}s") from None
         return cls(grpc.intercept_channel(channel, BearerToken(token)) if token else channel)
 
-    def attach(self, client_name: str, layout: CacheLayout | None = None, map_memory: bool = True) -> DaemonSession:
-        """Opens a session; ``layout`` is the model's (its block size is the daemon's to choose).
+    def attach(
+        self,
+        client_name: str,
+        layout: CacheLayout | None = None,
+        map_memory: bool = True,
+        model: ModelIdentity | None = None,
+    ) -> DaemonSession:
+        """Opens a session; ``layout`` is the model's (its block size is the
+        daemon's to choose), ``model`` names it (kvd.identity).
 
         Raises:
             grpc.RpcError: FAILED_PRECONDITION when the daemon's cache has another
-                layout, or the daemon speaks another Step protocol.
+                layout or model, or the daemon speaks another Step protocol.
         """
         request = pb.AttachRequest(client_name=client_name, protocol_version=wire.PROTOCOL_VERSION)
         # NOTE: naming this process lets the daemon hand a lapsed session's
@@ -59,6 +67,8 @@ class DaemonClient:
         if layout is not None:
             request.layout.CopyFrom(wire.layout_to_pb(layout))
             request.layout.block_size = 0  # the daemon's setting
+        if model is not None:
+            request.model.CopyFrom(wire.model_to_pb(model))
         sent_at = time.monotonic()
         return DaemonSession(self, self.stub.Attach(request), map_memory, sent_at)
 

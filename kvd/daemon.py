@@ -22,6 +22,7 @@ from kvd.cache import KVCache
 from kvd.config import DaemonConfig
 from kvd.errors import PreconditionError
 from kvd.events import EventBatch, EventHub, EventsSnapshot
+from kvd.identity import ModelIdentity
 from kvd.layout import CacheLayout
 from kvd.memory import KVMemory
 from kvd.process_identity import ProcessIdentity
@@ -86,14 +87,19 @@ class Daemon:
     # ----------------------------------------------------------- sessions
 
     def attach(
-        self, client_name: str, model_layout: CacheLayout | None, process: ProcessIdentity | None = None
+        self,
+        client_name: str,
+        model_layout: CacheLayout | None,
+        process: ProcessIdentity | None = None,
+        model: ModelIdentity | None = None,
     ) -> tuple[Session, KVMemory]:
         """Opens a session, creating the cache from ``model_layout`` if none exists.
-        ``process``: the engine's, checked if the session's lease lapses.
+        ``process``: the engine's, checked if the session's lease lapses;
+        ``model``: the engine's model, which must be the cache's (kvd.identity).
 
         Raises:
-            PreconditionError: no cache and no layout, or a layout that does
-                not match the existing cache.
+            PreconditionError: no cache and no layout, a layout that does not
+                match the existing cache, or another model than the cache's.
         """
         with self.lock:
             if self.cache is None:
@@ -105,6 +111,8 @@ class Daemon:
                     f"the model's layout ({model_layout.describe()}) does not match the daemon's cache "
                     f"({self.cache.layout.describe()}); restart the daemon or use a matching model"
                 )
+            if model is not None:
+                self.cache.admit_model(model)
             session = self.sessions.open(client_name, now=self._clock(), process=process)
             log.info("session attached", extra={"session": session.session_id, "client": client_name})
             return session, self.cache.memory

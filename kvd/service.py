@@ -63,7 +63,8 @@ class KVDaemonService(pb_grpc.KVDaemonServicer):
                     f"block_size {layout.block_size} differs from the daemon's {self.daemon.config.block_size}"
                 )
         process = wire.process_from_pb(request.process) if request.HasField("process") else None
-        session, memory = self.daemon.attach(request.client_name, layout, process)
+        model = wire.model_from_pb(request.model) if request.HasField("model") else None
+        session, memory = self.daemon.attach(request.client_name, layout, process, model)
         return pb.AttachResponse(
             session_id=session.session_id,
             layout=wire.layout_to_pb(memory.layout, memory.num_blocks),

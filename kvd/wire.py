@@ -7,6 +7,7 @@ Step itself has no Python mirror: both sides use its protobuf messages.
 from __future__ import annotations
 
 from kvd import dtypes
+from kvd.identity import ModelIdentity
 from kvd.layout import CacheLayout
 from kvd.memory import CudaIpcExport, Export, KVMemory, SharedMemoryExport
 from kvd.process_identity import ProcessIdentity
@@ -89,3 +90,21 @@ def process_to_pb(process: ProcessIdentity) -> pb.ProcessIdentity:
 
 def process_from_pb(msg: pb.ProcessIdentity) -> ProcessIdentity:
     return ProcessIdentity(msg.boot_id, msg.pid_namespace, msg.pid, msg.start_ticks)
+
+
+def model_to_pb(model: ModelIdentity) -> pb.ModelIdentity:
+    return pb.ModelIdentity(
+        name=model.name,
+        model_type=model.model_type,
+        config_digest=model.config_digest,
+        weights_digest=model.weights_digest,
+        tokenizer_digest=model.tokenizer_digest,
+    )
+
+
+def model_from_pb(msg: pb.ModelIdentity) -> ModelIdentity:
+    """Raises ValueError when a digest is missing (a model is named by all three)."""
+    for name in ("config_digest", "weights_digest", "tokenizer_digest"):
+        if not getattr(msg, name):
+            raise ValueError(f"model.{name} is empty")
+    return ModelIdentity(msg.name, msg.model_type, msg.config_digest, msg.weights_digest, msg.tokenizer_digest)

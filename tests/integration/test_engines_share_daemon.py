@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import signal
 import threading
+from pathlib import Path
 
 from tests.conftest import blocks_held, start_daemon, start_engine, wait_for
 from tests.integration.engine_client import generate, request, stub
+from tests.model_families import FAMILIES, build
 
 DOC = list(range(2000, 2080))  # 80 tokens: 5 full blocks of 16
 LONG = list(range(3000, 3100))
@@ -45,4 +47,24 @@ def test_two_engines_hit_each_others_prompts_and_one_death_spares_the_other(work
     finally:
         first.stop(signal.SIGKILL)
         second.stop()
+        daemon.stop()
+
+
+def test_an_engine_of_another_model_with_the_same_layout_is_refused_naming_the_difference(workdir):
+    """Same layers, heads and dtype, other weights: its blocks would hold
+    other numbers under the same hashes. It must not attach, and it says why."""
+    base, tuned = Path(workdir) / "base", Path(workdir) / "tuned"
+    build(FAMILIES["llama"], base, seed=0)
+    build(FAMILIES["llama"], tuned, seed=1)
+    daemon = start_daemon(["--block-size", "16", "--num-blocks", "64"], workdir)
+    first = start_engine(daemon, ["--model", str(base), "--dtype", "float32"], workdir)
+    second = start_engine(daemon, ["--model", str(tuned), "--dtype", "float32"], workdir, wait=False)
+    try:
+        assert second.process.wait(timeout=120) == 2
+        log = second.log()
+        assert "refused this engine" in log and "weights digest" in log and "not this cache's" in log, log
+        generate(stub(first.address), request([5, 6, 7, 8], 2))  # the first one serves on
+    finally:
+        second.stop()
+        first.stop()
         daemon.stop()

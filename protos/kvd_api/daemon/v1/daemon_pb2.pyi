@@ -100,16 +100,32 @@ class DescribeResponse(_message.Message):
     def __init__(self, ready: _Optional[bool] = ..., layout: _Optional[_Union[CacheLayout, _Mapping]] = ..., memory: _Optional[_Union[MemoryHandle, _Mapping]] = ..., cache_id: _Optional[str] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("client_name", "layout", "protocol_version", "process")
+    __slots__ = ("client_name", "layout", "protocol_version", "process", "model")
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     PROCESS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     client_name: str
     layout: CacheLayout
     protocol_version: int
     process: ProcessIdentity
-    def __init__(self, client_name: _Optional[str] = ..., layout: _Optional[_Union[CacheLayout, _Mapping]] = ..., protocol_version: _Optional[int] = ..., process: _Optional[_Union[ProcessIdentity, _Mapping]] = ...) -> None: ...
+    model: ModelIdentity
+    def __init__(self, client_name: _Optional[str] = ..., layout: _Optional[_Union[CacheLayout, _Mapping]] = ..., protocol_version: _Optional[int] = ..., process: _Optional[_Union[ProcessIdentity, _Mapping]] = ..., model: _Optional[_Union[ModelIdentity, _Mapping]] = ...) -> None: ...
+
+class ModelIdentity(_message.Message):
+    __slots__ = ("name", "model_type", "config_digest", "weights_digest", "tokenizer_digest")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    model_type: str
+    config_digest: bytes
+    weights_digest: bytes
+    tokenizer_digest: bytes
+    def __init__(self, name: _Optional[str] = ..., model_type: _Optional[str] = ..., config_digest: _Optional[bytes] = ..., weights_digest: _Optional[bytes] = ..., tokenizer_digest: _Optional[bytes] = ...) -> None: ...
 
 class ProcessIdentity(_message.Message):
     __slots__ = ("boot_id", "pid_namespace", "pid", "start_ticks")
