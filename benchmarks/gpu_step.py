@@ -12,7 +12,11 @@ In one process, on the random-weight Llama of tests/gpu/random_llama.py
   sequence sharing its prompt's blocks (``shared``) or not (``distinct``):
   GPU busy time per decode step (the sum of its kernels' times, from the
   profiler), engine wall time per step (``ModelRunner.forward`` + sampling,
-  host included) and the blocking syncs per step (``set_sync_debug_mode``);
+  host included) and the blocking syncs per step (``set_sync_debug_mode``),
+  on the engine's path (the step replays its bucket's CUDA graph) and, as
+  ``*_eager_s``, with every kernel launched from Python;
+- ``capture``: what the engine's capture at attach costs with its default
+  settings (64 sequences, a 512-token budget): seconds, graphs, device bytes;
 - ``attention``: one layer's Triton paged attention against gathering the
   K/V through the block table and running SDPA (``enable_gqa``, flash
   backend where it takes the inputs) for decodes at context 2,000 (batch
@@ -41,7 +45,8 @@ import _common as common  # noqa: E402
 import torch  # noqa: E402
 
 # NOTE: a ratio's meaning, where it could be read either way: triton_over_sdpa_*
-# is SDPA-on-gathered time / Triton time (> 1: Triton is faster).
+# is SDPA-on-gathered time / Triton time (> 1: Triton is faster);
+# eager_over_graphed_wall_b16 is eager wall time / graphed wall time (> 1: graphs are faster).
 
 BLOCK = 16
 BATCHES = (1, 16, 64, 256)
@@ -59,6 +64,13 @@ def read_bandwidth(gigabytes: float = 2.0) -> float:
     return buffer.numel() * buffer.element_size() / seconds
 
 
+def new_cache(model, num_blocks: int) -> torch.Tensor:
+    c = model.config
+    head_dim = c.hidden_size // c.num_attention_heads
+    shape = (num_blocks, c.num_hidden_layers, 2, BLOCK, c.num_key_value_heads, head_dim)
+    return torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+
+
 def decode_case(model, batch: int, context: int, shared: bool) -> tuple[list, torch.Tensor, int]:
     """One decode step's chunks at position ``context`` for ``batch`` sequences,
     a cache (random K/V) and the K/V bytes the step reads."""
@@ -67,11 +79,12 @@ def decode_case(model, batch: int, context: int, shared: bool) -> tuple[list, to
     blocks_per_seq = -(-(context + 1) // BLOCK)
     prefix = (context // BLOCK) if shared else 0  # full blocks every sequence shares
     own = blocks_per_seq - prefix
-    num_blocks = prefix + batch * own
+    # At least a whole context's blocks: the graphs size their block table and
+    # split counts by the model's context, as on the engine's (larger) pool.
+    num_blocks = max(prefix + batch * own, -(-model.config.max_position_embeddings // BLOCK))
     c = model.config
     head_dim = c.hidden_size // c.num_attention_heads
-    shape = (num_blocks, c.num_hidden_layers, 2, BLOCK, c.num_key_value_heads, head_dim)
-    cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+    cache = new_cache(model, num_blocks)
     order = torch.randperm(num_blocks).tolist()
     shared_blocks = order[:prefix]
     chunks = []
@@ -83,10 +96,29 @@ def decode_case(model, batch: int, context: int, shared: bool) -> tuple[list, to
 
 
 def time_decode(model, chunks, cache, steps: int) -> dict[str, float]:
+    """The step eagerly, then on the engine's path: its bucket's graph
+    captured as the engine captures it (split count for the model's context)."""
+    from inference.cuda_graphs import CudaGraphCapture, GraphPlan, capture_graphs
     from inference.model_runner import ModelRunner
+
+    runner = ModelRunner(model, cache, BLOCK)
+    eager = time_steps(runner, chunks, steps)
+    batch = len(chunks)
+    plan = GraphPlan((batch,), (), batch, model.config.max_position_embeddings)
+    runner.graphs = capture_graphs(runner, plan, CudaGraphCapture(runner.device))
+    if runner.graphs is None:
+        raise RuntimeError("CUDA graph capture failed (see the log above)")
+    graphed = time_steps(runner, chunks, steps)
+    assert runner.graphs.replays >= steps, "the decode step did not replay its graph"
+    return {**graphed, "gpu_step_eager_s": eager["gpu_step_s"], "wall_step_eager_s": eager["wall_step_s"],
+            "blocking_syncs_per_step_eager": eager["blocking_syncs_per_step"]}  # fmt: skip
+
+
+def time_steps(runner, chunks, steps: int) -> dict[str, float]:
+    """GPU busy time, wall time and blocking syncs of forward + sampling."""
     from inference.sampling import Sampler, SamplingParams
 
-    runner, sampler = ModelRunner(model, cache, BLOCK), Sampler()
+    sampler = Sampler()
     params, generators = [SamplingParams()] * len(chunks), [None] * len(chunks)
 
     def step():
@@ -113,6 +145,23 @@ def time_decode(model, chunks, cache, steps: int) -> dict[str, float]:
             torch.cuda.set_sync_debug_mode("default")
     syncs = sum("synchroniz" in str(w.message) for w in caught)
     return {"gpu_step_s": busy_us / 1e6 / steps, "wall_step_s": wall, "blocking_syncs_per_step": syncs}
+
+
+def time_capture(model) -> dict[str, float]:
+    """The engine's capture at attach with its default settings."""
+    from inference.cuda_graphs import CudaGraphCapture, GraphPlan, capture_graphs
+    from inference.engine import EngineConfig
+    from inference.model_runner import ModelRunner
+
+    c = EngineConfig()
+    context = model.config.max_position_embeddings
+    runner = ModelRunner(model, new_cache(model, 2 * -(-context // BLOCK)), BLOCK)
+    plan = GraphPlan.for_engine(c.max_num_seqs, c.token_budget, context)
+    graphs = capture_graphs(runner, plan, CudaGraphCapture(runner.device))
+    if graphs is None:
+        raise RuntimeError("CUDA graph capture failed (see the log above)")
+    return {"capture_s": graphs.capture_s, "graphs": len(graphs.buckets), "capture_bytes": graphs.capture_bytes,
+            "max_num_seqs": c.max_num_seqs, "token_budget": c.token_budget}  # fmt: skip
 
 
 def time_attention(batch: int, q_len: int, context: int, kv_heads: int = 8, group: int = 4, head_dim: int = 128):
@@ -172,6 +221,9 @@ def run(quick: bool) -> dict[str, Any]:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     weight_bytes -= model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
     results: dict[str, Any] = {"floor": {"read_bandwidth_gb_per_s": bandwidth / 1e9, "weight_bytes": weight_bytes}}
+    common.log("capture (the engine's defaults)")
+    results["capture"] = time_capture(model)
+    torch.cuda.empty_cache()
     decode = results["decode"] = {}
     for batch in (1, 16) if quick else BATCHES:
         for ctx_name, context in CONTEXTS.items():
@@ -208,6 +260,7 @@ def build_ratios(results: dict[str, Any]) -> dict[str, float | None]:
         "decode_over_floor_b16": over_floor("b16_ctx2000_distinct"),
         "decode_over_floor_b64": over_floor("b64_ctx2000_distinct"),
         "wall_over_gpu_b16": common.ratio(b16.get("wall_step_s"), b16.get("gpu_step_s")),
+        "eager_over_graphed_wall_b16": common.ratio(b16.get("wall_step_eager_s"), b16.get("wall_step_s")),
         "attention_bandwidth_share": common.ratio(a["decode_ctx2000_b64"]["kv_gb_per_s"], bw),
         "triton_over_sdpa_decode": speedup("decode_ctx2000_b64"),
         "triton_over_sdpa_prefill": speedup("prefill_512_over_2000"),
@@ -230,9 +283,12 @@ def main(argv: list[str] | None = None) -> int:
     data = {"benchmark": "gpu_step", "quick": args.quick, "machine": machine, "workload": workload,
             "results": results, "ratios": ratios}  # fmt: skip
     common.write_json(args.json, common.rounded(data))
-    rows = [(name, r["gpu_step_s"] * 1e3, r["wall_step_s"] * 1e3, r["floor_s"] * 1e3, r["blocking_syncs_per_step"])
+    rows = [(name, r["gpu_step_s"] * 1e3, r["wall_step_s"] * 1e3, r["gpu_step_eager_s"] * 1e3,
+             r["wall_step_eager_s"] * 1e3, r["floor_s"] * 1e3, r["blocking_syncs_per_step"])
             for name, r in results["decode"].items()]  # fmt: skip
-    print(common.format_table(["decode", "gpu ms", "wall ms", "floor ms", "syncs"], rows))
+    headers = ["decode", "gpu ms", "wall ms", "eager gpu ms", "eager wall ms", "floor ms", "syncs"]
+    print(common.format_table(headers, rows))
+    print(common.format_table(["capture", "value"], list(results["capture"].items())))
     print(common.format_table(["ratio", "value"], list(ratios.items())))
     return 0
 

@@ -17,6 +17,8 @@ from kvd.layout import CacheLayout
 
 log = logging.getLogger("inference.app")
 
+CUDA_GRAPHS = ("auto", "on", "off")
+
 
 @dataclass(frozen=True)
 class EngineSettings:
@@ -33,11 +35,14 @@ class EngineSettings:
     max_num_seqs: int = 64
     attention_backend: str = "auto"
     prefix_caching: bool = True
+    cuda_graphs: str = "auto"  # auto: on with CUDA and the triton backend; on; off
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ("auto", *attention.BACKENDS):
             choices = ", ".join(("auto", *attention.BACKENDS))
             raise ValueError(f"attention_backend must be one of {choices}, got {self.attention_backend!r}")
+        if self.cuda_graphs not in CUDA_GRAPHS:
+            raise ValueError(f"cuda_graphs must be one of {', '.join(CUDA_GRAPHS)}, got {self.cuda_graphs!r}")
         if not self.kvd_address:
             raise ValueError("kvd_address must be set (unix:PATH or HOST:PORT)")
 
@@ -69,6 +74,8 @@ class EngineApp:
                 max_num_seqs=settings.max_num_seqs,
                 token_budget=settings.token_budget,
                 pipelined=self.device.startswith("cuda"),
+                cuda_graphs=_use_cuda_graphs(settings.cuda_graphs, self.device, self.backend),
+                max_context=self.spec.max_context,
             ),
             eos_token_ids=set(self.spec.eos_token_ids),
             on_health=self._health_changed,
@@ -126,6 +133,18 @@ class EngineApp:
 
     def _health_changed(self, healthy: bool) -> None:
         self.server.set_serving(healthy)
+
+
+def _use_cuda_graphs(setting: str, device: str, backend: str) -> bool:
+    """Whether the engine captures CUDA graphs (``setting``: one of ``CUDA_GRAPHS``).
+
+    Raises:
+        ValueError: ``on`` where graphs cannot run.
+    """
+    possible = device.startswith("cuda") and backend == "triton"
+    if setting == "on" and not possible:
+        raise ValueError(f"--cuda-graphs on needs a CUDA device and the triton backend (here: {device}, {backend})")
+    return possible and setting != "off"
 
 
 def _resolve_device(device: str) -> str:

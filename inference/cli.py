@@ -79,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto (triton on a GPU, torch elsewhere), torch, triton, flash-attn (KVD_ATTENTION_BACKEND)",
     )
     p.add_argument(
+        "--cuda-graphs",
+        choices=("auto", "on", "off"),
+        default=env_default("KVD_CUDA_GRAPHS", "auto"),
+        help="replay CUDA graphs of decode and mixed steps (auto: on with CUDA and the triton backend) "
+        "(KVD_CUDA_GRAPHS)",
+    )
+    p.add_argument(
         "--no-prefix-caching",
         action="store_true",
         default=env_default("KVD_NO_PREFIX_CACHING", "") not in ("", "0"),
@@ -111,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             max_num_seqs=args.max_num_seqs,
             attention_backend=args.attention_backend,
             prefix_caching=not args.no_prefix_caching,
+            cuda_graphs=args.cuda_graphs,
         )
         app = EngineApp(settings)
     except ValueError as exc:

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from inference.cuda_graphs import CudaGraphCapture, EagerStandIn, GraphPlan, capture_graphs
 from inference.load import LoadBoard, LoadReport, PrefillRate
 from inference.model_runner import NO_MARK, Chunk, ForwardMark, ModelRunner
 from inference.requests import Finish, RequestTable, Sequence, Work
@@ -83,6 +84,10 @@ class EngineConfig:
     # done before the next Step anyway, and lagging commits would only delay
     # the requests waiting for a shared prefix's blocks by a step.
     pipelined: bool = False
+    # Replay CUDA graphs of the steps that fit a bucket (inference/cuda_graphs.py),
+    # captured again after each attach; only the Triton backend is graphed.
+    cuda_graphs: bool = False
+    max_context: int = 0  # the model's context (tokens): sizes the graphs' block table (0: the whole cache)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -137,7 +142,7 @@ class Engine:
         self._unwaited: Forward | None = None  # read without waiting for it: waited for before the next Step
         self._last_mark = NO_MARK  # the latest forward's (its handle goes in every Step)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self._make_runner = make_runner or (lambda cache, block_size: ModelRunner(model, cache, block_size))
+        self._make_runner = make_runner or self._new_runner
         self.steps = 0
         self.load = LoadBoard()  # what routers see (the Load stream)
         self.prefill_rate = PrefillRate()
@@ -233,6 +238,10 @@ class Engine:
             self.runner.wait_for_copies(reply.copy_events)
         chunks = [self._chunk(w) for w in work]
         self.session.check_lease()  # never write into blocks that may be someone else's by now
+        # NOTE: a graphed forward's logits are a view of a static buffer that
+        # the next replay overwrites. Safe: the previous forward's logits were
+        # sampled above (their reads queued, their tokens read back) before
+        # this forward is launched on the same stream.
         logits = self.runner.forward(chunks)
         self._last_mark = self.runner.mark_forward()
         self._forward = Forward(work, chunks, logits, started, self._last_mark)
@@ -348,6 +357,17 @@ class Engine:
                     self.streams.finished(seq)
 
     # ------------------------------------------------------------ daemon
+
+    def _new_runner(self, cache: torch.Tensor, block_size: int) -> ModelRunner:
+        """A runner on the newly mapped cache, its graphs captured on it
+        (the cache's address is baked into each graph)."""
+        runner = ModelRunner(self.model, cache, block_size)
+        if self.config.cuda_graphs:
+            c = self.config
+            plan = GraphPlan.for_engine(c.max_num_seqs, c.token_budget, c.max_context)
+            capture = CudaGraphCapture(runner.device) if runner.device.type == "cuda" else EagerStandIn()
+            runner.graphs = capture_graphs(runner, plan, capture)
+        return runner
 
     def _try_attach(self) -> bool:
         try:

@@ -13,12 +13,16 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from inference.attention import BACKENDS, AttentionMetadata, DecodeBatch, StepTensors, chunk_mask
 from inference.kernels.launch import LaunchShape, choose_splits
+
+if TYPE_CHECKING:
+    from inference.cuda_graphs import StepGraphs
 
 #: Fewer one-token chunks than this are attended to one by one (torch backend).
 MIN_DECODE_BATCH = 2
@@ -195,15 +199,18 @@ class StepStaging:
 
     def to_device(self, inputs: StepInputs, launch: LaunchShape) -> tuple[torch.Tensor, ...]:
         """Returns ``(token_ids, positions, logit_rows, StepTensors)`` on the device."""
-        parts = (inputs.token_ids, inputs.positions, inputs.slot_mapping, inputs.query_start,
-                 inputs.seq_lens, inputs.logit_rows, inputs.block_table.reshape(-1))  # fmt: skip
-        sizes = [part.size for part in parts]
-        host = self._buffer(sum(sizes))
-        np.concatenate(parts, out=host.numpy())
+        parts = step_parts(inputs, inputs.block_table)
+        host = self.pack(parts)
         packed = host.to(self.device, non_blocking=True) if self.device.type == "cuda" else host
-        ids, positions, slots, query_start, seq_lens, logit_rows, table = packed.split(sizes)
+        ids, positions, slots, query_start, seq_lens, logit_rows, table = packed.split([p.size for p in parts])
         step = StepTensors(slots, query_start, seq_lens, table.view(inputs.block_table.shape), launch)
         return ids, positions, logit_rows, step
+
+    def pack(self, parts: Sequence[np.ndarray]) -> torch.Tensor:
+        """The parts, flattened one after another into the next host buffer."""
+        host = self._buffer(sum(part.size for part in parts))
+        np.concatenate([part.reshape(-1) for part in parts], out=host.numpy())
+        return host
 
     def _buffer(self, size: int) -> torch.Tensor:
         self._turn ^= 1
@@ -245,6 +252,13 @@ NO_MARK = ForwardMark()
 _FORWARD_EVENTS = 4
 
 
+def step_parts(inputs: StepInputs, block_table: np.ndarray) -> tuple[np.ndarray, ...]:
+    """A step's arrays in the order one packed copy holds them (the block
+    table last: a copy may stop after the rows that are read)."""
+    return (inputs.token_ids, inputs.positions, inputs.slot_mapping, inputs.query_start,
+            inputs.seq_lens, inputs.logit_rows, block_table)  # fmt: skip
+
+
 class ModelRunner:
     """A causal LM whose attention reads and writes the paged cache.
 
@@ -267,9 +281,20 @@ class ModelRunner:
         # launch and leave this to the daemon's quarantine of lapsed sessions.
         self.before_write: Callable[[], None] | None = None
         on_gpu = self.device.type == "cuda"
-        self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if on_gpu else 0
+        #: multiprocessors the split-KV choice fills (0: never split, the CPU)
+        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if on_gpu else 0
+        #: the steps that fit a captured bucket replay its graph (inference/cuda_graphs.py)
+        self.graphs: StepGraphs | None = None
         self._marks = [self._new_mark() for _ in range(_FORWARD_EVENTS)] if kv_cache.is_cuda else []
         self._next_mark = 0
+
+    @property
+    def backend(self) -> str | None:
+        """The model's attention backend, a key of ``BACKENDS`` (a bare module
+        in the tests: torch; None: not a paged backend)."""
+        config = getattr(self.model, "config", None)
+        implementation = getattr(config, "_attn_implementation", BACKENDS["torch"])
+        return next((name for name, value in BACKENDS.items() if value == implementation), None)
 
     def _new_mark(self) -> ForwardMark:
         event = torch.cuda.Event(interprocess=True)  # also never timed: cheap to record
@@ -303,9 +328,22 @@ class ModelRunner:
         """Computes the chunks' K/V into the cache.
 
         Returns:
-            Logits ``[n, vocab]`` (on the model's device) for the chunks that want them, in order.
+            Logits ``[n, vocab]`` (on the model's device) for the chunks that
+            want them, in order. A graphed step's are a view of the graphs'
+            static output, which the next forward overwrites: read them (or
+            enqueue what reads them) before launching the next one.
         """
+        if self.graphs is not None:
+            logits = self.graphs.forward(chunks)
+            if logits is not None:
+                return logits
         ids, positions, meta, logit_rows = self._prepare(chunks)
+        return self.run_model(ids, positions, meta, logit_rows)
+
+    def run_model(
+        self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, logit_rows: torch.Tensor
+    ) -> torch.Tensor:
+        """The model over one step's device inputs: the logits of ``logit_rows``."""
         # NOTE: the whole causal LM, not its base model and lm_head: families
         # differ in their heads' names (GPT-NeoX's embed_out) and in what they
         # do to the logits (Gemma 2's final soft-capping, Granite's scaling).
@@ -317,13 +355,17 @@ class ModelRunner:
         # Sampling works in at least float32; float64 stays float64 (exactness tests).
         return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
 
-    def _prepare(self, chunks: list[Chunk]):
+    def step_inputs(self, chunks: Sequence[Chunk], pad_tokens: int = 0, pad_seqs: int = 0) -> StepInputs:
+        """The chunks' padded host arrays, their block-table rows brought up to date."""
         rows = self.table_rows.assign(chunks)  # first: it may grow the table
-        inputs = build_step_inputs(chunks, self.block_size, self.table_rows.table, rows)
+        return build_step_inputs(chunks, self.block_size, self.table_rows.table, rows, pad_tokens, pad_seqs)
+
+    def _prepare(self, chunks: list[Chunk]):
+        inputs = self.step_inputs(chunks)
         kv_heads = self.kv_cache.shape[4]
         splits = (
-            choose_splits(inputs.num_seqs, inputs.max_query_len, inputs.max_seq_len, kv_heads, self._num_sms)
-            if self._num_sms
+            choose_splits(inputs.num_seqs, inputs.max_query_len, inputs.max_seq_len, kv_heads, self.num_sms)
+            if self.num_sms
             else 1
         )
         launch = LaunchShape(len(inputs.seq_lens), inputs.max_query_len, splits)
@@ -337,8 +379,7 @@ class ModelRunner:
 
     @property
     def _reads_torch_plan(self) -> bool:
-        config = getattr(self.model, "config", None)  # none: a bare module in the attention tests
-        return getattr(config, "_attn_implementation", BACKENDS["torch"]) == BACKENDS["torch"]
+        return self.backend == "torch"
 
     def _plan_torch(self, meta: AttentionMetadata, inputs: StepInputs) -> None:
         """The torch backend's host-side plan: per-sequence tables, the written

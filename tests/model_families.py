@@ -109,3 +109,17 @@ def save_tokenizer(folder: Path, chat_template: str) -> None:
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="t0", bos_token="t1", eos_token="t2")
     tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(folder)
+
+
+def tiny_llama(seed: int = 0) -> torch.nn.Module:
+    """A Llama smaller still (float32, 2 layers, head dim 16, GQA 2:1) for the
+    tests that run the Triton kernels in their interpreter, where every
+    program of a launch is a numpy loop."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+    )  # fmt: skip
+    return LlamaForCausalLM(config).eval()

@@ -110,6 +110,17 @@ def test_split_kv_merges_to_the_same_result(splits):
     assert relative_error(out, ref) < 1e-5
 
 
+def test_a_split_count_fixed_for_the_longest_context_is_right_for_every_length():
+    """A CUDA graph's decode bucket keeps one split count, chosen for the
+    model's longest context: shorter sequences leave most ranges empty."""
+    lens = [(1, 1), (1, 63), (1, 64), (1, 65), (1, 130)]
+    cache, table, query_start, seq_lens, query = make_case(lens, 1, 4, 64, torch.float32, seed=11)
+    layer_k, layer_v = cache[:, 0, 0], cache[:, 0, 1]
+    out = paged_attention(query, layer_k, layer_v, table, query_start, seq_lens, LaunchShape(5, 1, 8))
+    ref = dense_reference(query, layer_k, layer_v, table, query_start, seq_lens, 64**-0.5)
+    assert relative_error(out, ref) < 1e-5
+
+
 def test_scale_softcap_and_sliding_window():
     lens = [(1, 40), (9, 33)]
     cache, table, query_start, seq_lens, query = make_case(lens, 1, 4, 64, torch.float32, seed=3)
