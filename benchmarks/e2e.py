@@ -79,6 +79,18 @@ FULL = {
     "warm_cold_new_tokens": 4,
     "warm_cold_repeats": 3,
 }
+#: The GPU's larger workload (benchmarks/gpu_e2e.sh OUT TOKENIZER --workload large).
+LARGE = {
+    "requests": 256,
+    "prefix_tokens": 2000,
+    "question_tokens": 100,
+    "new_tokens": 128,
+    "warm_cold_prefix_tokens": 2000,
+    "warm_cold_suffix_tokens": 100,
+    "warm_cold_new_tokens": 4,
+    "warm_cold_repeats": 3,
+}
+WORKLOADS = {"default": FULL, "large": LARGE}
 QUICK = {
     "requests": 4,
     "prefix_tokens": 200,
@@ -359,20 +371,22 @@ def run_hf_generate(model, w: Workload, new_tokens: int) -> Run:
     return run
 
 
-def hf_cb_config(num_blocks: int):
+def hf_cb_config(num_blocks: int, token_budget: int = TOKEN_BUDGET):
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     return ContinuousBatchingConfig(
         page_size=BLOCK_SIZE,
         num_blocks=num_blocks,
-        max_batch_tokens=TOKEN_BUDGET,
+        max_batch_tokens=token_budget,
         allow_block_sharing=True,
         seed=0,
     )
 
 
 @torch.no_grad()  # not inference_mode: the manager's thread updates tensors created here in place
-def run_hf_continuous_batching(model, w: Workload, new_tokens: int, num_blocks: int) -> Run:
+def run_hf_continuous_batching(
+    model, w: Workload, new_tokens: int, num_blocks: int, token_budget: int = TOKEN_BUDGET
+) -> Run:
     """transformers' continuous batching through its manager (what ``generate_batch``
     runs: ``init_continuous_batching``, ``warmup``, ``start``, ``add_requests``,
     ``get_result`` until all finished), so that its one-time set-up is not timed
@@ -389,7 +403,7 @@ def run_hf_continuous_batching(model, w: Workload, new_tokens: int, num_blocks: 
         pad_token_id=model.config.pad_token_id,
     )
     manager = model.init_continuous_batching(
-        generation_config=config, continuous_batching_config=hf_cb_config(num_blocks)
+        generation_config=config, continuous_batching_config=hf_cb_config(num_blocks, token_budget)
     )
     run = Run()
     try:
@@ -565,7 +579,16 @@ class EngineVariant:
     by ``start``, stopped by ``stop``."""
 
     def __init__(
-        self, name: str, model_path: Path, num_blocks: int, prefix_caching: bool, workdir: str, device: str, dtype: str
+        self,
+        name: str,
+        model_path: Path,
+        num_blocks: int,
+        prefix_caching: bool,
+        workdir: str,
+        device: str,
+        dtype: str,
+        token_budget: int = TOKEN_BUDGET,
+        max_num_seqs: int = 64,
     ) -> None:
         self.name = name
         folder = os.path.join(workdir, name)
@@ -575,7 +598,7 @@ class EngineVariant:
             "--device", device, "--log-level", "warning",
         ]  # fmt: skip
         engine_flags = ["--model", str(model_path), "--dtype", dtype, "--device", device]
-        engine_flags += ["--token-budget", str(TOKEN_BUDGET)]
+        engine_flags += ["--token-budget", str(token_budget), "--max-num-seqs", str(max_num_seqs)]
         if not prefix_caching:
             engine_flags.append("--no-prefix-caching")
         self.workdir = workdir
@@ -742,6 +765,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", required=True, help="write the results here")
     p.add_argument("--quick", action="store_true", help="4 requests, 200-token prefix, 8 new tokens (about a minute)")
+    p.add_argument(
+        "--workload",
+        choices=sorted(WORKLOADS),
+        default="default",
+        help="default: 16 requests, 600-token prefix, 32 new tokens; large (the GPU's): 256 requests, "
+        "2,000-token prefix, ~100-token questions, 128 new tokens (--quick wins over it)",
+    )
+    p.add_argument(
+        "--token-budget",
+        type=int,
+        default=TOKEN_BUDGET,
+        help="the engine's tokens per step and continuous batching's max_batch_tokens",
+    )
+    p.add_argument("--max-num-seqs", type=int, default=64, help="the engine's running sequences")
+    p.add_argument(
+        "--num-blocks",
+        type=int,
+        default=0,
+        help="KV blocks of each engine and of continuous batching (default: every request's whole sequence "
+        "twice over, no sharing counted; the large workload on a GPU needs less: its prefix is shared)",
+    )
     p.add_argument("--plot", help="also write a PNG bar chart (needs matplotlib)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--logs", help="copy the daemons' and engines' logs into this folder")
@@ -761,7 +805,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
-    sizes = dict(QUICK if args.quick else FULL)
+    sizes = dict(QUICK if args.quick else WORKLOADS[args.workload])
     chosen = [v for v in VARIANTS if v in args.variants.split(",")]
     started = time.perf_counter()
 
@@ -776,7 +820,7 @@ def main(argv: list[str] | None = None) -> int:
     per_request_blocks = -(-(max(len(p) for p in w.prompts) + sizes["new_tokens"]) // BLOCK_SIZE)
     wc_blocks = -(-(sizes["warm_cold_prefix_tokens"] + sizes["warm_cold_suffix_tokens"] + 8) // BLOCK_SIZE)
     needed = len(w.prompts) * per_request_blocks + 2 * len(w.warm_cold) * wc_blocks + 16
-    num_blocks = 256 * -(-(2 * needed) // 256)  # room for everything twice over: nothing is evicted
+    num_blocks = args.num_blocks or 256 * -(-(2 * needed) // 256)  # room for everything twice over: no eviction
 
     rounds = args.rounds or (1 if args.quick else 3)
     results: dict[str, Any] = {}
@@ -788,7 +832,9 @@ def main(argv: list[str] | None = None) -> int:
         model = model_store.load_model(model_path, getattr(torch, dtype), args.device)
     workdir = tempfile.mkdtemp(prefix="kvd-e2e-", dir="/tmp")  # short: unix socket paths are limited
     engines = {
-        v: EngineVariant(v, model_path, num_blocks, v == "kvd", workdir, args.device, dtype)
+        v: EngineVariant(
+            v, model_path, num_blocks, v == "kvd", workdir, args.device, dtype, args.token_budget, args.max_num_seqs
+        )
         for v in chosen
         if v in ENGINE_VARIANTS
     }
@@ -820,7 +866,9 @@ def main(argv: list[str] | None = None) -> int:
                 if variant == "hf_generate":
                     continue
                 if variant == "hf_continuous_batching":
-                    work = lambda: run_hf_continuous_batching(model, w, sizes["new_tokens"], num_blocks)  # noqa: E731
+                    work = lambda: run_hf_continuous_batching(  # noqa: E731
+                        model, w, sizes["new_tokens"], num_blocks, args.token_budget
+                    )
                 else:
                     work = lambda engine=engines[variant], r=r: engine.run(w, sizes["new_tokens"], r)  # noqa: E731
                 run = attempt(variant, work)
@@ -861,7 +909,7 @@ def main(argv: list[str] | None = None) -> int:
         "api": "model.init_continuous_batching + warmup + start + add_requests (what generate_batch runs)",
         "page_size": BLOCK_SIZE,
         "num_blocks": num_blocks,
-        "max_batch_tokens": TOKEN_BUDGET,
+        "max_batch_tokens": args.token_budget,
         "allow_block_sharing": True,
         "attn_implementation": (results.get("hf_continuous_batching") or {}).get("attn_implementation"),
     }
@@ -886,7 +934,9 @@ def main(argv: list[str] | None = None) -> int:
             "variants": chosen,
             "block_size": BLOCK_SIZE,
             "kvd_num_blocks": num_blocks,
-            "kvd_token_budget": TOKEN_BUDGET,
+            "kvd_token_budget": args.token_budget,
+            "kvd_max_num_seqs": args.max_num_seqs,
+            "workload": "quick" if args.quick else args.workload,
             "kvd_no_cache": "engine --no-prefix-caching (every request gets a cache salt of its own)",
             "hf_continuous_batching": hf_cb_params,
             "hf_generate": "model.generate per request, in order; attention_mask all ones, min/max_new_tokens",

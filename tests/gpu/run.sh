@@ -82,6 +82,7 @@ for name in "${parts[@]}"; do
     step) part step 90 python3 benchmarks/gpu_step.py --quick --json "$out/gpu_step.json" ;;
     e2e) part e2e 90 benchmarks/gpu_e2e.sh "$out/gpu_e2e.json" "$tokenizer" --rounds 1 ;;
     e2e_large) part e2e_large 120 benchmarks/gpu_e2e.sh "$out/gpu_e2e_large.json" "$tokenizer" --workload large \
+        --token-budget 2048 --max-num-seqs 256 --num-blocks 16384 \
         --variants hf_continuous_batching,kvd --rounds 1 ;;
     families) part families 90 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_families_cuda.py ;;
     *) echo "unknown part $name (env tests step e2e e2e_large families)" >&2 ;;
