@@ -6,6 +6,7 @@ import pytest
 
 from inference import cli as engine_cli
 from kvd import cli as daemon_cli
+from kvd.settings import parse
 
 
 @pytest.mark.parametrize("main, prog", [(daemon_cli.main, "kvd"), (engine_cli.main, "kvd-engine")])
@@ -21,6 +22,6 @@ def test_kvd_dtype_is_refused_at_start_naming_its_replacements(monkeypatch, main
 def test_each_process_reads_its_own_dtype_variable(monkeypatch):
     monkeypatch.setenv("KVD_CACHE_DTYPE", "float16")
     monkeypatch.setenv("KVD_MODEL_DTYPE", "float64")
-    assert daemon_cli.build_parser().parse_args([]).cache_dtype == "float16"
-    assert engine_cli.build_parser().parse_args([]).dtype == "float64"
-    assert engine_cli.build_parser().parse_args(["--model-dtype", "bfloat16"]).dtype == "bfloat16"
+    assert parse(daemon_cli.COMMAND, []).cache_dtype == "float16"
+    assert parse(engine_cli.COMMAND, []).dtype == "float64"
+    assert parse(engine_cli.COMMAND, ["--model-dtype", "bfloat16"]).dtype == "bfloat16"
