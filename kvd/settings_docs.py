@@ -123,7 +123,7 @@ def render(text: str) -> str:
         if what != "variables" and what not in PROGRAMS:
             raise ValueError(f"unknown settings table {what!r}: one of variables, {', '.join(PROGRAMS)}")
         body = variables_table() if what == "variables" else program_table(what)
-        return f"{match[1]}{body}{match[4]}"
+        return f"{match[1]}\n{body}\n{match[4]}"
 
     return _BLOCK.sub(table, text)
 

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from kvd.settings import RETIRED_VARIABLES, SIZE, Setting, parse, parse_size, settings
-from kvd.settings_docs import DOCS, PROGRAMS, command, readers
+from kvd.settings_docs import DOCS, PROGRAMS, command, readers, render, tables_in
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -165,6 +165,19 @@ def test_a_bad_size_says_what_a_size_looks_like(text):
         SIZE.convert(text, None, None)
 
 
+# ------------------------------------------------------------------- docs
+
+
+def test_the_docs_tables_are_what_the_declarations_write():
+    """``make docs`` (python -m kvd.settings_docs) writes them; edit the declarations, not the tables."""
+    found = []
+    for page in sorted(DOCS.glob("*.md")):
+        text = page.read_text()
+        assert render(text) == text, f"{page.name}: a settings table differs from the declarations: run `make docs`"
+        found += tables_in(text)
+    assert sorted(found) == sorted([*PROGRAMS, "variables"]), "each program's table, and the variables', once"
+
+
 # ----------------------------------------------- who sets what, and where
 
 
@@ -185,6 +198,7 @@ def test_compose_services_set_only_what_their_program_reads(files, monkeypatch):
     for name in set(_INTERPOLATION.findall(text)):
         name = name[0]
         assert name in COMPOSE_VARIABLES or any(name in declared(p) for p in PROGRAMS), f"${{{name}}} is read by none"
+        assert name in (DOCS / "deploy.md").read_text(), f"docs/deploy.md does not say what ${{{name}}} sets"
     for service, spec in compose_services(*files).items():
         program = (spec["command"] or [""])[0]
         if program not in PROGRAMS:
