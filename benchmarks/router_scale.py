@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "router_scale",
         "quick": args.quick,
         "machine": common.machine_info(),
-        "source": common.source_digest(("gateway/router.py", "gateway/block_index.py")),
+        "source": common.source_digest(common.ROUTER_SOURCES),
         "workload": {k: getattr(args, k) for k in ("replicas", "blocks_per_replica", "holders", "prompt_tokens",
                                                     "rounds", "seed")} | {"block_size": BLOCK},
         "results": common.rounded(results),

@@ -65,7 +65,7 @@ import _common as common
 from gateway.router import Load, RouteKey, Router, RouterConfig, rendezvous
 
 POLICIES = ("round-robin", "affinity", "cost", "oracle")
-SOURCES = ("gateway/router.py", "gateway/block_index.py", "benchmarks/routing_sim.py")
+SOURCES = (*common.ROUTER_SOURCES, "benchmarks/routing_sim.py")
 
 
 # ------------------------------------------------------------------ workload

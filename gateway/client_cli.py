@@ -10,122 +10,146 @@
     kvd-cli generate [--template NAME] [--chat] [--stream] [--max-new-tokens N] PROMPT
 
 The gateway is --address (KVD_GATEWAY_ADDR, default 127.0.0.1:50051); the key
---api-key (KVD_API_KEY). Errors print the gateway's status and message.
+--api-key (KVD_API_KEY). Errors print the gateway's status and message (exit 1).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
+import click
 import grpc
 from google.protobuf.json_format import MessageToDict
 
 from gateway.client import GatewayClient
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvd-cli", description="Talks to the kvd gateway.")
-    p.add_argument("--address", default=os.environ.get("KVD_GATEWAY_ADDR", "127.0.0.1:50051"))
-    p.add_argument("--api-key", default=os.environ.get("KVD_API_KEY", ""), help="(KVD_API_KEY)")
-    p.add_argument("--tls-ca", default="", help="PEM file to trust: connect with TLS")
-    sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="model, block size, context, templates")
-
-    tpl = sub.add_parser("template", help="named prefix templates").add_subparsers(dest="action", required=True)
-    create = tpl.add_parser("create")
-    create.add_argument("name")
-    source = create.add_mutually_exclusive_group(required=True)
-    source.add_argument("--content")
-    source.add_argument("--file", type=Path)
-    source.add_argument(
-        "--message", action="append", metavar="ROLE:CONTENT", help="a chat template's message (repeat for several)"
-    )
-    create.add_argument("--ttl", type=int, default=0, help="seconds; 0: never expires")
-    create.add_argument("--description", default="")
-    for action in ("get", "delete"):
-        tpl.add_parser(action).add_argument("name")
-    tpl.add_parser("list")
-    update = tpl.add_parser("update")
-    update.add_argument("name")
-    update.add_argument("--ttl", type=int, help="seconds; 0 removes the expiry")
-    update.add_argument("--description")
-
-    gen = sub.add_parser("generate", help="generate text")
-    gen.add_argument("prompt", nargs="?", default="")
-    gen.add_argument("--template", default="")
-    gen.add_argument("--chat", action="store_true", help="send the prompt as one user chat message")
-    gen.add_argument("--stream", action="store_true", help="print tokens as they come")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float)
-    gen.add_argument("--seed", type=int)
-    return p
+from kvd.settings import EPILOG, Setting
 
 
 def _show(message) -> None:
-    print(json.dumps(MessageToDict(message), indent=2))
+    click.echo(json.dumps(MessageToDict(message), indent=2))
 
 
-def _template(kvd: GatewayClient, args) -> None:
-    if args.action == "create":
-        if args.message:
-            messages = [tuple(m.split(":", 1)) for m in args.message]
-            if any(len(m) != 2 for m in messages):
-                raise SystemExit("kvd-cli: --message takes ROLE:CONTENT")
-            _show(kvd.create_template(args.name, "", args.ttl, args.description, messages=messages))
-            return
-        content = args.content if args.content is not None else args.file.read_text()
-        _show(kvd.create_template(args.name, content, args.ttl, args.description))
-    elif args.action == "get":
-        _show(kvd.get_template(args.name))
-    elif args.action == "delete":
-        kvd.delete_template(args.name)
-        print(f"deleted {args.name}")
-    elif args.action == "list":
-        for t in kvd.list_templates():
-            print(f"{t.name}\t{t.token_count} tokens\t{t.cached_token_count} pinned\t{t.description}")
-    else:
-        _show(kvd.update_template(args.name, args.ttl, args.description))
+_CONTEXT = {"help_option_names": ["-h", "--help"]}
 
 
-def _generate(kvd: GatewayClient, args) -> None:
-    sampling = {"max_new_tokens": args.max_new_tokens}
-    if args.temperature is not None:
-        sampling["temperature"] = args.temperature
-    if args.seed is not None:
-        sampling["seed"] = args.seed
-    prompt = {"chat": [("user", args.prompt)]} if args.chat else {"prompt": args.prompt}
-    if not args.stream:
-        reply = kvd.complete(**prompt, template=args.template, **sampling)
-        print(reply.text)
+#: The gateway and the key: what every command needs.
+SETTINGS = [
+    Setting("--address", env="KVD_GATEWAY_ADDR", default="127.0.0.1:50051", help="the gateway: HOST:PORT"),
+    Setting("--api-key", env="KVD_API_KEY", help="the API key; empty: single-user mode"),
+    Setting("--tls-ca", help="PEM file to trust: connect with TLS"),
+]
+
+
+@click.group("kvd-cli", help="Talks to the kvd gateway.", epilog=EPILOG, params=SETTINGS, context_settings=_CONTEXT)
+@click.pass_context
+def cli(ctx: click.Context, address: str, api_key: str, tls_ca: str) -> None:
+    tls = Path(tls_ca) if tls_ca else None
+    ctx.obj = ctx.with_resource(GatewayClient(address, api_key=api_key or None, root_certificates=tls))
+
+
+@cli.command(help="model, block size, context, templates")
+@click.pass_obj
+def info(kvd: GatewayClient) -> None:
+    _show(kvd.info())
+
+
+@cli.group(help="named prefix templates")
+def template() -> None:
+    pass
+
+
+@template.command(help="a text template (--content or --file) or a chat template (--message ...)")
+@click.argument("name")
+@click.option("--content", help="the template's text")
+@click.option("--file", type=click.Path(path_type=Path, dir_okay=False), help="a file holding the template's text")
+@click.option("--message", multiple=True, metavar="ROLE:CONTENT", help="a chat template's message (repeat for several)")
+@click.option("--ttl", type=int, default=0, show_default=True, help="seconds; 0: never expires")
+@click.option("--description")
+@click.pass_obj
+def create(kvd: GatewayClient, name: str, content, file, message, ttl: int, description: str) -> None:
+    if sum(x is not None and x != () for x in (content, file, message)) != 1:
+        raise click.UsageError("give exactly one of --content, --file, --message")
+    if message:
+        messages = [tuple(m.split(":", 1)) for m in message]
+        if any(len(m) != 2 for m in messages):
+            raise SystemExit("kvd-cli: --message takes ROLE:CONTENT")
+        _show(kvd.create_template(name, "", ttl, description, messages=messages))
+        return
+    text = content if content is not None else file.read_text()
+    _show(kvd.create_template(name, text, ttl, description))
+
+
+@template.command(help="a template's content and counts")
+@click.argument("name")
+@click.pass_obj
+def get(kvd: GatewayClient, name: str) -> None:
+    _show(kvd.get_template(name))
+
+
+@template.command(help="deletes a template (and unpins it)")
+@click.argument("name")
+@click.pass_obj
+def delete(kvd: GatewayClient, name: str) -> None:
+    kvd.delete_template(name)
+    click.echo(f"deleted {name}")
+
+
+@template.command("list", help="the tenant's templates, by name")
+@click.pass_obj
+def list_(kvd: GatewayClient) -> None:
+    for t in kvd.list_templates():
+        click.echo(f"{t.name}\t{t.token_count} tokens\t{t.cached_token_count} pinned\t{t.description}")
+
+
+@template.command(help="a template's TTL or description (its content never changes)")
+@click.argument("name")
+@click.option("--ttl", type=int, help="seconds; 0 removes the expiry")
+@click.option("--description")
+@click.pass_obj
+def update(kvd: GatewayClient, name: str, ttl: int | None, description: str | None) -> None:
+    _show(kvd.update_template(name, ttl, description))
+
+
+@cli.command(help="generate text")
+@click.argument("prompt")
+@click.option("--template", "template_name", help="a template's name: its tokens come first")
+@click.option("--chat", is_flag=True, help="send the prompt as one user chat message")
+@click.option("--stream", is_flag=True, help="print tokens as they come")
+@click.option("--max-new-tokens", type=int, default=64, show_default=True)
+@click.option("--temperature", type=float)
+@click.option("--seed", type=int)
+@click.pass_obj
+def generate(kvd: GatewayClient, prompt: str, template_name: str, chat: bool, stream: bool, **sampling) -> None:
+    sampling = {k: v for k, v in sampling.items() if v is not None}
+    text = {"chat": [("user", prompt)]} if chat else {"prompt": prompt}
+    if not stream:
+        reply = kvd.complete(**text, template=template_name, **sampling)
+        click.echo(reply.text)
         _show(reply.usage)
         return
     usage = None
-    for chunk in kvd.generate(**prompt, template=args.template, **sampling):
-        print(chunk.text, end="", flush=True)
+    for chunk in kvd.generate(**text, template=template_name, **sampling):
+        click.echo(chunk.text, nl=False)
+        sys.stdout.flush()
         usage = chunk.usage if chunk.HasField("usage") else usage
-    print()
+    click.echo()
     if usage is not None:
         _show(usage)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    tls_ca = Path(args.tls_ca) if args.tls_ca else None
-    with GatewayClient(args.address, api_key=args.api_key or None, root_certificates=tls_ca) as kvd:
-        try:
-            if args.command == "info":
-                _show(kvd.info())
-            elif args.command == "template":
-                _template(kvd, args)
-            else:
-                _generate(kvd, args)
-        except grpc.RpcError as err:
-            print(f"kvd-cli: {err.code().name}: {err.details()}", file=sys.stderr)
-            return 1
+    try:
+        cli.main(args=argv, prog_name="kvd-cli", standalone_mode=False)
+    except grpc.RpcError as err:
+        click.echo(f"kvd-cli: {err.code().name}: {err.details()}", err=True)
+        return 1
+    except click.exceptions.Exit as done:  # --help
+        return done.exit_code
+    except click.ClickException as exc:
+        exc.show()
+        return exc.exit_code
     return 0
 
 

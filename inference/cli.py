@@ -1,125 +1,135 @@
 """`kvd-engine`: runs the inference engine against a KV-cache daemon.
 
-Every flag can also be set by an environment variable (for containers); the
-variables are read here, once, and nowhere deeper.
+Its settings are declared once, in ``COMMAND`` (see ``kvd.settings``): each
+flag with the environment variable that sets it (for containers), read here,
+once, into ``EngineSettings``, and nowhere deeper.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import signal
 import sys
 import threading
 from pathlib import Path
+from types import SimpleNamespace
+
+import click
 
 from kvd import logs
 from kvd.auth import read_token
-from kvd.cli import default_socket, env_default, refuse_retired_variables
+from kvd.settings import (
+    DEFAULT_SOCKET_TEXT,
+    Setting,
+    SettingsCommand,
+    default_socket,
+    log_level,
+    parse,
+    refuse_retired_variables,
+)
 
 log = logging.getLogger("inference")
 
+COMMAND = SettingsCommand(
+    "kvd-engine",
+    help="The inference engine: a Hugging Face model on the KV-cache daemon's paged memory.",
+    params=[
+        Setting(
+            "--model",
+            env="KVD_MODEL",
+            default="smollm2",
+            help="'smollm2' (the bundled SmolLM2-135M-Instruct), a local HF model folder, or a .gguf file, "
+            "of a supported family (docs/engine.md: Model families; others are refused)",
+        ),
+        Setting(
+            "--model-cache-dir",
+            env="KVD_MODEL_CACHE_DIR",
+            help="where converted models are kept (a .gguf file is converted once, keyed by its content); "
+            "empty: $XDG_CACHE_HOME/kvd/models, else ~/.cache/kvd/models",
+        ),
+        Setting(
+            "--model-dtype",
+            "--dtype",
+            "dtype",
+            env="KVD_MODEL_DTYPE",
+            help="the model's dtype: float64, float32 (CPU default), bfloat16 (GPU default), float16",
+        ),
+        Setting("--device", env="KVD_ENGINE_DEVICE", default="auto", help="auto, cpu or cuda[:N]"),
+        Setting(
+            "--kvd-address",
+            env="KVD_ADDRESS",
+            default=lambda: f"unix:{default_socket()}",
+            default_text=f"unix:{DEFAULT_SOCKET_TEXT}",
+            help="the daemon: unix:PATH or HOST:PORT",
+        ),
+        Setting("--kvd-token-file", env="KVD_TOKEN_FILE", help="a file with the token of the daemon's TCP listener"),
+        Setting("--listen", env="KVD_ENGINE_ADDR", default="127.0.0.1:50052", help="gRPC address"),
+        Setting(
+            "--token-budget",
+            env="KVD_TOKEN_BUDGET",
+            type=click.INT,
+            default=512,
+            help="tokens per step (longer prompts are chunked)",
+        ),
+        Setting("--max-num-seqs", env="KVD_MAX_NUM_SEQS", type=click.INT, default=64, help="running sequences"),
+        Setting(
+            "--attention-backend",
+            env="KVD_ATTENTION_BACKEND",
+            default="auto",
+            help="auto (triton on a GPU, torch elsewhere), torch, triton, flash-attn",
+        ),
+        Setting(
+            "--cuda-graphs",
+            env="KVD_CUDA_GRAPHS",
+            type=click.Choice(("auto", "on", "off")),
+            default="auto",
+            help="replay CUDA graphs of decode and mixed steps (auto: on with CUDA and the triton backend)",
+        ),
+        Setting(
+            "--no-prefix-caching",
+            env="KVD_NO_PREFIX_CACHING",
+            is_flag=True,
+            default=False,
+            help="never reuse cached prefixes",
+        ),
+        log_level(),
+    ],
+)
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="kvd-engine",
-        description="The inference engine: a Hugging Face model on the KV-cache daemon's paged memory.",
-        epilog="Each flag's environment variable is named in its help; a flag given on the command line wins.",
+
+def config_from(args: SimpleNamespace):
+    """The engine's settings from its flags' values (reads the token file; ValueError: invalid)."""
+    from inference.app import EngineSettings
+
+    return EngineSettings(
+        model=args.model,
+        model_cache_dir=Path(args.model_cache_dir) if args.model_cache_dir else None,
+        dtype=args.dtype or None,
+        device=args.device,
+        kvd_address=args.kvd_address,
+        kvd_token=read_token(args.kvd_token_file, "daemon token") if args.kvd_token_file else None,
+        listen=args.listen,
+        token_budget=args.token_budget,
+        max_num_seqs=args.max_num_seqs,
+        attention_backend=args.attention_backend,
+        prefix_caching=not args.no_prefix_caching,
+        cuda_graphs=args.cuda_graphs,
     )
-    p.add_argument(
-        "--model",
-        default=env_default("KVD_MODEL", "smollm2"),
-        help="'smollm2' (the bundled SmolLM2-135M-Instruct), a local HF model folder, or a .gguf file, "
-        "of a supported family (README: Model families; others are refused) (KVD_MODEL)",
-    )
-    p.add_argument(
-        "--model-cache-dir",
-        default=env_default("KVD_MODEL_CACHE_DIR", ""),
-        help="where converted models are kept (KVD_MODEL_CACHE_DIR)",
-    )
-    p.add_argument(
-        "--model-dtype",
-        "--dtype",
-        dest="dtype",
-        default=env_default("KVD_MODEL_DTYPE", ""),
-        help="the model's dtype: float64, float32 (CPU default), bfloat16 (GPU default), float16 (KVD_MODEL_DTYPE)",
-    )
-    p.add_argument(
-        "--device", default=env_default("KVD_ENGINE_DEVICE", "auto"), help="auto, cpu or cuda[:N] (KVD_ENGINE_DEVICE)"
-    )
-    p.add_argument(
-        "--kvd-address",
-        default=env_default("KVD_ADDRESS", f"unix:{default_socket()}"),
-        help="the daemon: unix:PATH or HOST:PORT (KVD_ADDRESS)",
-    )
-    p.add_argument(
-        "--kvd-token-file",
-        default=env_default("KVD_TOKEN_FILE", ""),
-        help="a file with the token of the daemon's TCP listener (KVD_TOKEN_FILE)",
-    )
-    p.add_argument(
-        "--listen", default=env_default("KVD_ENGINE_ADDR", "127.0.0.1:50052"), help="gRPC address (KVD_ENGINE_ADDR)"
-    )
-    p.add_argument(
-        "--token-budget",
-        type=int,
-        default=int(env_default("KVD_TOKEN_BUDGET", 512)),
-        help="tokens per step (KVD_TOKEN_BUDGET)",
-    )
-    p.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=int(env_default("KVD_MAX_NUM_SEQS", 64)),
-        help="running sequences (KVD_MAX_NUM_SEQS)",
-    )
-    p.add_argument(
-        "--attention-backend",
-        default=env_default("KVD_ATTENTION_BACKEND", "auto"),
-        help="auto (triton on a GPU, torch elsewhere), torch, triton, flash-attn (KVD_ATTENTION_BACKEND)",
-    )
-    p.add_argument(
-        "--cuda-graphs",
-        choices=("auto", "on", "off"),
-        default=env_default("KVD_CUDA_GRAPHS", "auto"),
-        help="replay CUDA graphs of decode and mixed steps (auto: on with CUDA and the triton backend) "
-        "(KVD_CUDA_GRAPHS)",
-    )
-    p.add_argument(
-        "--no-prefix-caching",
-        action="store_true",
-        default=env_default("KVD_NO_PREFIX_CACHING", "") not in ("", "0"),
-        help="never reuse cached prefixes (KVD_NO_PREFIX_CACHING=1)",
-    )
-    p.add_argument("--log-level", default=env_default("KVD_LOG_LEVEL", "info"), help="(KVD_LOG_LEVEL)")
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:
     refuse_retired_variables("kvd-engine")
-    args = build_parser().parse_args(argv)
+    args = parse(COMMAND, argv)
     logs.configure(args.log_level)
     # NOTE: before torch loads OpenMP. Spinning worker threads cost 3-5x per
     # step when the cores are shared (daemon, gateway, tests); a dedicated
     # box may set OMP_WAIT_POLICY=ACTIVE.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from inference.app import EngineApp, EngineSettings
+    from inference.app import EngineApp
 
     try:
-        settings = EngineSettings(
-            model=args.model,
-            model_cache_dir=Path(args.model_cache_dir) if args.model_cache_dir else None,
-            dtype=args.dtype or None,
-            device=args.device,
-            kvd_address=args.kvd_address,
-            kvd_token=read_token(args.kvd_token_file, "daemon token") if args.kvd_token_file else None,
-            listen=args.listen,
-            token_budget=args.token_budget,
-            max_num_seqs=args.max_num_seqs,
-            attention_backend=args.attention_backend,
-            prefix_caching=not args.no_prefix_caching,
-            cuda_graphs=args.cuda_graphs,
-        )
+        settings = config_from(args)
         app = EngineApp(settings)
     except ValueError as exc:
         print(f"kvd-engine: {exc}", file=sys.stderr)

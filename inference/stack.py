@@ -3,23 +3,34 @@
 Starts the daemon, the engine and the gateway, prints where to reach them,
 stops all of them on Ctrl-C, and if one dies, stops the others with a message
 naming it. Each child keeps its own flags and environment variables; this only
-supervises.
+supervises (it reads the addresses it passes on: its own settings, in ``COMMAND``).
 """
 
 from __future__ import annotations
 
-import argparse
 import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
-from kvd.cli import default_socket, env_default
+from kvd.cli import SOCKET
+from kvd.settings import Setting, SettingsCommand, parse
+
+COMMAND = SettingsCommand(
+    "kvd-serve",
+    help=__doc__.splitlines()[0],
+    params=[
+        Setting("--engine", env="KVD_ENGINE_ADDR", default="127.0.0.1:50052", help="engine address"),
+        Setting("--gateway", env="KVD_GATEWAY_ADDR", default="127.0.0.1:50051", help="the public gateway's address"),
+        SOCKET,  # the daemon's own: kvd-serve hands it to the daemon and the engine
+    ],
+)
 
 
-def _children(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+def _children(args: SimpleNamespace) -> list[tuple[str, list[str]]]:
     python = sys.executable
-    socket_path = env_default("KVD_SOCKET", default_socket())
+    socket_path = args.socket
     return [
         ("kvd", [python, "-m", "kvd.cli", "--socket", socket_path]),
         ("engine", [python, "-m", "inference.cli", "--kvd-address", f"unix:{socket_path}", "--listen", args.engine]),
@@ -28,18 +39,7 @@ def _children(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvd-serve", description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--engine",
-        default=env_default("KVD_ENGINE_ADDR", "127.0.0.1:50052"),
-        help="engine address (KVD_ENGINE_ADDR)",
-    )
-    parser.add_argument(
-        "--gateway",
-        default=env_default("KVD_GATEWAY_ADDR", "127.0.0.1:50051"),
-        help="the public gateway's address (KVD_GATEWAY_ADDR)",
-    )
-    args = parser.parse_args(argv)
+    args = parse(COMMAND, argv)
     procs: dict[str, subprocess.Popen] = {}
     stopping = False
 

@@ -1,171 +1,181 @@
 """`kvd`: runs the KV-cache daemon.
 
-Every flag can also be set by an environment variable (for containers); the
-variables are read here, once, and nowhere deeper.
+Its settings are declared once, in ``COMMAND`` (see ``kvd.settings``): each
+flag with the environment variable that sets it (for containers), read here,
+once, into a ``DaemonConfig``, and nowhere deeper.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
-import re
 import signal
 import socket
 import sys
 import threading
 from pathlib import Path
+from types import SimpleNamespace
+
+import click
 
 from kvd import logs
+from kvd.settings import (
+    DEFAULT_SOCKET_TEXT,
+    SIZE,
+    Setting,
+    SettingsCommand,
+    default_socket,
+    log_level,
+    parse,
+    refuse_retired_variables,
+)
 
 log = logging.getLogger("kvd")
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+_LISTENING = "listening"
+_CACHE = "cache"
+_HOST_TIER = "host tier (offload to host memory; off by default)"
+_LAYOUT = "layout (optional: otherwise the first engine's model decides)"
 
+#: The unix socket; kvd-serve passes its own to the daemon it starts.
+SOCKET = Setting(
+    "--socket",
+    env="KVD_SOCKET",
+    default=default_socket,
+    default_text=DEFAULT_SOCKET_TEXT,
+    section=_LISTENING,
+    help="the daemon's unix socket (mode 0600: only this user, who may call everything)",
+)
 
-def parse_size(text: str) -> int:
-    """'512MiB' -> 536870912; '2GB' -> 2000000000; '4096' -> 4096."""
-    match = _SIZE.match(text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2GiB, 1000000)")
-    unit = (match.group(2) or "").lower().removesuffix("b")
-    return int(float(match.group(1)) * _UNITS[unit])
-
-
-def default_socket() -> str:
-    return f"/tmp/kvd-{os.getuid()}/kvd.sock"
-
-
-def env_default(name: str, default):
-    """A flag's default: its environment variable when set (read once, here)."""
-    return os.environ.get(name, default)
-
-
-# Variables no longer read, and what replaced them: a container started with
-# one is refused rather than silently run with a default.
-RETIRED_VARIABLES = {
-    "KVD_DTYPE": (
-        "KVD_DTYPE is no longer read: it meant the daemon's cache dtype and the engine's model dtype at once. "
-        "Set KVD_CACHE_DTYPE (the daemon, with --num-layers) or KVD_MODEL_DTYPE (the engine) instead."
-    ),
-}
-
-
-def refuse_retired_variables(prog: str) -> None:
-    """Exits with status 2 and a message naming the replacement when a retired variable is set."""
-    for name, message in RETIRED_VARIABLES.items():
-        if name in os.environ:
-            raise SystemExit(f"{prog}: {message}")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="kvd",
-        description="The KV-cache daemon: owns the paged KV memory, block metadata and prefix hashes.",
-        epilog="Each flag's environment variable is named in its help; a flag given on the command line wins.",
-    )
-    net = p.add_argument_group("listening")
-    net.add_argument(
-        "--socket", default=env_default("KVD_SOCKET", default_socket()), help="unix socket path (KVD_SOCKET)"
-    )
-    net.add_argument(
-        "--listen",
-        default=env_default("KVD_LISTEN", ""),
-        help="also listen on TCP HOST:PORT, e.g. 0.0.0.0:50061 (KVD_LISTEN)",
-    )
-    net.add_argument(
-        "--token-file",
-        default=env_default("KVD_TOKEN_FILE", ""),
-        help="a file with the token TCP callers must send (needed with --listen) (KVD_TOKEN_FILE)",
-    )
-    net.add_argument(
-        "--admin-token-file",
-        default=env_default("KVD_ADMIN_TOKEN_FILE", ""),
-        help="a file with the token of Reset and InspectBlock on TCP; without it they are unix-socket only "
-        "(KVD_ADMIN_TOKEN_FILE)",
-    )
-    net.add_argument(
-        "--metrics-port",
-        type=int,
-        default=int(env_default("KVD_METRICS_PORT", 9401)),
-        help="Prometheus metrics HTTP port, 0 for none (KVD_METRICS_PORT)",
-    )
-    cache = p.add_argument_group("cache")
-    cache.add_argument(
-        "--block-size", type=int, default=int(env_default("KVD_BLOCK_SIZE", 16)), help="(KVD_BLOCK_SIZE)"
-    )
-    cache.add_argument(
-        "--num-blocks",
-        type=int,
-        default=int(env_default("KVD_NUM_BLOCKS", 0)),
-        help="0: fill the memory budget (KVD_NUM_BLOCKS)",
-    )
-    cache.add_argument(
-        "--memory-budget",
-        type=parse_size,
-        default=parse_size(env_default("KVD_MEMORY_BUDGET", "1GiB")),
-        help="cache size when --num-blocks is 0 (KVD_MEMORY_BUDGET)",
-    )
-    cache.add_argument(
-        "--device",
-        default=env_default("KVD_DEVICE", "auto"),
-        help="auto, cpu or cuda[:N] (KVD_DEVICE); auto picks cuda if present",
-    )
-    cache.add_argument(
-        "--shm-dir", default=env_default("KVD_SHM_DIR", "/dev/shm"), help="shared-memory folder (KVD_SHM_DIR)"
-    )
-    cache.add_argument(
-        "--max-pinned-fraction",
-        type=float,
-        default=float(env_default("KVD_MAX_PINNED_FRACTION", 0.5)),
-        help="share of blocks pins may hold (KVD_MAX_PINNED_FRACTION)",
-    )
-    cache.add_argument(
-        "--lease-s",
-        type=float,
-        default=float(env_default("KVD_LEASE_S", 5.0)),
-        help="release a session not heard from for this long (KVD_LEASE_S)",
-    )
-    cache.add_argument(
-        "--quarantine-s",
-        type=float,
-        default=float(env_default("KVD_QUARANTINE_S", 30.0)),
-        help="keep a lapsed session's blocks out of reuse this long when its engine's process "
-        "cannot be seen from here (another container or host) (KVD_QUARANTINE_S)",
-    )
-    cache.add_argument(
-        "--no-prefix-caching",
-        action="store_true",
-        default=env_default("KVD_NO_PREFIX_CACHING", "") not in ("", "0"),
-        help="never serve cache hits (KVD_NO_PREFIX_CACHING=1)",
-    )
-    tier = p.add_argument_group("host tier (offload to host memory; off by default)")
-    tier.add_argument(
-        "--host-num-blocks",
-        type=int,
-        default=int(env_default("KVD_HOST_NUM_BLOCKS", 0)),
-        help="blocks in the host tier; 0: as many as --host-memory-budget holds (KVD_HOST_NUM_BLOCKS)",
-    )
-    tier.add_argument(
-        "--host-memory-budget",
-        type=parse_size,
-        default=parse_size(env_default("KVD_HOST_MEMORY_BUDGET", "0")),
-        help="host tier size when --host-num-blocks is 0, e.g. 8GiB; 0: no host tier (KVD_HOST_MEMORY_BUDGET)",
-    )
-    model = p.add_argument_group("layout (optional: otherwise the first engine's model decides)")
-    model.add_argument("--num-layers", type=int, default=int(env_default("KVD_NUM_LAYERS", 0)), help="(KVD_NUM_LAYERS)")
-    model.add_argument(
-        "--num-kv-heads", type=int, default=int(env_default("KVD_NUM_KV_HEADS", 0)), help="(KVD_NUM_KV_HEADS)"
-    )
-    model.add_argument("--head-dim", type=int, default=int(env_default("KVD_HEAD_DIM", 0)), help="(KVD_HEAD_DIM)")
-    model.add_argument(
-        "--cache-dtype",
-        default=env_default("KVD_CACHE_DTYPE", "float32"),
-        help="the cache's dtype with --num-layers (KVD_CACHE_DTYPE); otherwise the first engine's model dtype",
-    )
-    p.add_argument("--log-level", default=env_default("KVD_LOG_LEVEL", "info"), help="(KVD_LOG_LEVEL)")
-    return p
+COMMAND = SettingsCommand(
+    "kvd",
+    help="The KV-cache daemon: owns the paged KV memory, block metadata and prefix hashes.",
+    params=[
+        SOCKET,
+        Setting(
+            "--listen",
+            env="KVD_LISTEN",
+            section=_LISTENING,
+            help="also listen on TCP HOST:PORT, e.g. 0.0.0.0:50061 (needs --token-file)",
+        ),
+        Setting(
+            "--token-file",
+            env="KVD_TOKEN_FILE",
+            section=_LISTENING,
+            help="a file with the token every TCP call but health checks must send (authorization: Bearer TOKEN, "
+            "compared in constant time); needed with --listen",
+        ),
+        Setting(
+            "--admin-token-file",
+            env="KVD_ADMIN_TOKEN_FILE",
+            section=_LISTENING,
+            help="a file with the token of Reset and InspectBlock on TCP; without it they are unix-socket only",
+        ),
+        Setting(
+            "--metrics-port",
+            env="KVD_METRICS_PORT",
+            type=click.INT,
+            default=9401,
+            section=_LISTENING,
+            help="Prometheus metrics HTTP port on 127.0.0.1; 0: none",
+        ),
+        Setting(
+            "--block-size", env="KVD_BLOCK_SIZE", type=click.INT, default=16, section=_CACHE, help="tokens per block"
+        ),
+        Setting(
+            "--num-blocks",
+            env="KVD_NUM_BLOCKS",
+            type=click.INT,
+            default=0,
+            section=_CACHE,
+            help="blocks in the cache; 0: fill the memory budget",
+        ),
+        Setting(
+            "--memory-budget",
+            env="KVD_MEMORY_BUDGET",
+            type=SIZE,
+            default="1GiB",
+            section=_CACHE,
+            help="cache size when --num-blocks is 0 (on CPU a file in --shm-dir, which must have room for it)",
+        ),
+        Setting(
+            "--device",
+            env="KVD_DEVICE",
+            default="auto",
+            section=_CACHE,
+            help="auto, cpu (a shared-memory file) or cuda[:N] (one allocation exported by CUDA IPC handle); "
+            "auto picks cuda if present",
+        ),
+        Setting("--shm-dir", env="KVD_SHM_DIR", default="/dev/shm", section=_CACHE, help="shared-memory folder"),
+        Setting(
+            "--max-pinned-fraction",
+            env="KVD_MAX_PINNED_FRACTION",
+            type=click.FLOAT,
+            default=0.5,
+            section=_CACHE,
+            help="share of blocks pins may hold (past it, RESOURCE_EXHAUSTED)",
+        ),
+        Setting(
+            "--lease-s",
+            env="KVD_LEASE_S",
+            type=click.FLOAT,
+            default=5.0,
+            section=_CACHE,
+            help="release a session not heard from for this long",
+        ),
+        Setting(
+            "--quarantine-s",
+            env="KVD_QUARANTINE_S",
+            type=click.FLOAT,
+            default=30.0,
+            section=_CACHE,
+            help="keep a lapsed session's blocks out of reuse this long when its engine's process "
+            "cannot be seen from here (another container or host)",
+        ),
+        Setting(
+            "--no-prefix-caching",
+            env="KVD_NO_PREFIX_CACHING",
+            is_flag=True,
+            default=False,
+            section=_CACHE,
+            help="never serve cache hits",
+        ),
+        Setting(
+            "--host-num-blocks",
+            env="KVD_HOST_NUM_BLOCKS",
+            type=click.INT,
+            default=0,
+            section=_HOST_TIER,
+            help="blocks in the host tier; 0: as many as --host-memory-budget holds",
+        ),
+        Setting(
+            "--host-memory-budget",
+            env="KVD_HOST_MEMORY_BUDGET",
+            type=SIZE,
+            default="0",
+            section=_HOST_TIER,
+            help="host tier size when --host-num-blocks is 0, e.g. 8GiB; 0: no host tier",
+        ),
+        Setting(
+            "--num-layers",
+            env="KVD_NUM_LAYERS",
+            type=click.INT,
+            default=0,
+            section=_LAYOUT,
+            help="create the cache at start with this many layers (and the three below); 0: at the first attach",
+        ),
+        Setting("--num-kv-heads", env="KVD_NUM_KV_HEADS", type=click.INT, default=0, section=_LAYOUT, help="KV heads"),
+        Setting("--head-dim", env="KVD_HEAD_DIM", type=click.INT, default=0, section=_LAYOUT, help="head dimension"),
+        Setting(
+            "--cache-dtype",
+            env="KVD_CACHE_DTYPE",
+            default="float32",
+            section=_LAYOUT,
+            help="the cache's dtype with --num-layers; otherwise the first engine's model dtype",
+        ),
+        log_level(),
+    ],
+)
 
 
 def _resolve_device(device: str) -> str:
@@ -176,7 +186,8 @@ def _resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _config_from_args(args: argparse.Namespace):
+def config_from(args: SimpleNamespace):
+    """The daemon's config from its settings' values (ValueError: an invalid combination)."""
     from kvd.config import DaemonConfig
     from kvd.layout import CacheLayout
 
@@ -217,7 +228,7 @@ def _prepare_socket(path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     refuse_retired_variables("kvd")
-    args = build_parser().parse_args(argv)
+    args = parse(COMMAND, argv)
     logs.configure(args.log_level)
     if args.device.startswith("cuda") or args.device == "auto":
         # NOTE: the exported cache must be its own cudaMalloc segment so its IPC
@@ -230,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvd.service import build_server
 
     try:
-        daemon = Daemon(_config_from_args(args))
+        daemon = Daemon(config_from(args))
     except ValueError as exc:
         print(f"kvd: {exc}", file=sys.stderr)
         return 2
@@ -256,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     return _serve_until_signal(daemon, server)
 
 
-def _tcp_auth(args: argparse.Namespace) -> tuple:
+def _tcp_auth(args: SimpleNamespace) -> tuple:
     """The token check of the TCP listener (none without one: the socket is 0600)."""
     from kvd.auth import TokenAuth, read_token
 

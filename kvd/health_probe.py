@@ -9,11 +9,23 @@ Exit codes: 0 SERVING, 1 any other status, 2 unreachable or an RPC error.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
+import click
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvd.settings import Setting, SettingsCommand, parse
+
+COMMAND = SettingsCommand(
+    "kvd-health",
+    help=__doc__.splitlines()[0] + " ADDRESS: unix:PATH or HOST:PORT.",
+    params=[
+        click.Argument(["address"]),
+        Setting("--service", help="service name to ask about; empty: the whole server"),
+        Setting("--timeout", type=click.FLOAT, default=3.0, help="seconds to wait for the answer"),
+    ],
+)
 
 
 def check(address: str, service: str = "", timeout_s: float = 3.0) -> tuple[int, str]:
@@ -30,11 +42,7 @@ def check(address: str, service: str = "", timeout_s: float = 3.0) -> tuple[int,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kvd-health", description=__doc__.splitlines()[0])
-    p.add_argument("address", help="unix:PATH or HOST:PORT")
-    p.add_argument("--service", default="", help="service name to ask about; empty: the whole server")
-    p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
-    args = p.parse_args(argv)
+    args = parse(COMMAND, argv)
     code, message = check(args.address, args.service, args.timeout)
     print(message, file=sys.stdout if code == 0 else sys.stderr)
     return code

@@ -25,10 +25,8 @@ import pytest
 import redis
 import yaml
 
-from gateway.cli import build_parser as gateway_parser
 from gateway.client import GatewayClient
-from inference.cli import build_parser as engine_parser
-from kvd.cli import build_parser as daemon_parser
+from kvd.settings_docs import readers
 from tests.conftest import ChildProcess, free_port, wait_for, wait_serving
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -100,8 +98,8 @@ def test_kustomization_lists_every_manifest():
 
 
 def documented_variables() -> set[str]:
-    helps = "".join(p().format_help() for p in (daemon_parser, engine_parser, gateway_parser))
-    return set(re.findall(r"KVD_[A-Z_]+", helps))
+    """Every variable a program declares (its --help names it); tests/unit/test_settings.py checks who reads which."""
+    return set(readers())
 
 
 def test_deploy_files_use_only_documented_variables_and_real_commands():

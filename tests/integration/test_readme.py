@@ -1,7 +1,8 @@
-"""Every Python example of the README runs as written.
+"""Every Python example of the README and of docs/ runs as written.
 
 Each ```python block is executed against real processes started for it; the
-only change is the address it names, pointed at the test's own.
+only change is the address it names, pointed at the test's own. The README's is
+the gateway's first request; docs/daemon.md's speaks the daemon's Step.
 """
 
 from __future__ import annotations
@@ -15,26 +16,28 @@ import redis
 
 from tests.conftest import start_daemon, start_engine, start_gateway
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 DAEMON_ADDRESS = "unix:/tmp/kvd-0/kvd.sock"
 GATEWAY_ADDRESS = "127.0.0.1:50051"
 
 
 def python_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
+    return [b for page in PAGES for b in re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.DOTALL)]
 
 
 def test_every_python_block_is_covered():
     blocks = python_blocks()
     assert len(blocks) == 2
-    assert DAEMON_ADDRESS in blocks[0] and GATEWAY_ADDRESS in blocks[1]
+    assert sum(DAEMON_ADDRESS in b for b in blocks) == 1 and sum(GATEWAY_ADDRESS in b for b in blocks) == 1
+    assert GATEWAY_ADDRESS in re.findall(r"```python\n(.*?)```", PAGES[0].read_text(), flags=re.DOTALL)[0]
 
 
 def test_the_daemon_example_runs_as_written(workdir):
     (block,) = [b for b in python_blocks() if DAEMON_ADDRESS in b]
     daemon = start_daemon(["--block-size", "16", "--num-blocks", "32"], workdir)
     try:
-        exec(compile(block.replace(DAEMON_ADDRESS, daemon.address), "README.md", "exec"), {})
+        exec(compile(block.replace(DAEMON_ADDRESS, daemon.address), "docs/daemon.md", "exec"), {})
         with daemon.client() as client:
             stats = client.stats()
         assert stats.num_used_blocks == 0 and stats.num_sessions == 0 and stats.query_tokens == 60

@@ -6,6 +6,7 @@ import pytest
 
 from inference import cli as engine_cli
 from kvd import cli as daemon_cli
+from kvd.settings import parse
 
 
 @pytest.mark.parametrize("main, prog", [(daemon_cli.main, "kvd"), (engine_cli.main, "kvd-engine")])
@@ -21,17 +22,17 @@ def test_kvd_dtype_is_refused_at_start_naming_its_replacements(monkeypatch, main
 def test_each_process_reads_its_own_dtype_variable(monkeypatch):
     monkeypatch.setenv("KVD_CACHE_DTYPE", "float16")
     monkeypatch.setenv("KVD_MODEL_DTYPE", "float64")
-    assert daemon_cli.build_parser().parse_args([]).cache_dtype == "float16"
-    assert engine_cli.build_parser().parse_args([]).dtype == "float64"
-    assert engine_cli.build_parser().parse_args(["--model-dtype", "bfloat16"]).dtype == "bfloat16"
+    assert parse(daemon_cli.COMMAND, []).cache_dtype == "float16"
+    assert parse(engine_cli.COMMAND, []).dtype == "float64"
+    assert parse(engine_cli.COMMAND, ["--model-dtype", "bfloat16"]).dtype == "bfloat16"
 
 
 def test_cuda_graphs_are_read_from_the_environment_and_on_only_where_they_can_run(monkeypatch):
     from inference.app import _use_cuda_graphs
 
     monkeypatch.setenv("KVD_CUDA_GRAPHS", "off")
-    assert engine_cli.build_parser().parse_args([]).cuda_graphs == "off"
-    assert engine_cli.build_parser().parse_args(["--cuda-graphs", "on"]).cuda_graphs == "on"
+    assert parse(engine_cli.COMMAND, []).cuda_graphs == "off"
+    assert parse(engine_cli.COMMAND, ["--cuda-graphs", "on"]).cuda_graphs == "on"
     assert _use_cuda_graphs("auto", "cuda", "triton") and not _use_cuda_graphs("off", "cuda", "triton")
     assert not _use_cuda_graphs("auto", "cpu", "torch") and not _use_cuda_graphs("auto", "cuda", "flash-attn")
     with pytest.raises(ValueError, match="--cuda-graphs on needs a CUDA device and the triton backend"):
