@@ -372,6 +372,7 @@ class EngineProcess(ChildProcess):
         args: further flags (``--model``, ``--no-prefix-caching``, ...).
         name: names the log file.
         ready_timeout_s: how long to wait for SERVING.
+        port: its port (0: a free one; a replacement takes its predecessor's).
     """
 
     def __init__(
@@ -381,9 +382,10 @@ class EngineProcess(ChildProcess):
         args: Sequence[str] = (),
         name: str = "engine",
         ready_timeout_s: float = 300.0,
+        port: int = 0,
     ) -> None:
         self.workdir = Path(workdir)
-        self.port = free_port()
+        self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log_path = self.workdir / f"{name}.log"
         self.command = [

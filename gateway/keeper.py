@@ -1,9 +1,13 @@
-"""Keeps each template warm and pinned on one replica, and only while it lives.
+"""Keeps each template warm and pinned in one cache, and only while it lives.
 
 A template's blocks are warmed (one prefill) and pinned in a daemon under the
-pin id ``template:{tenant}/{name}``, on ONE replica: the first serving replica
-of the template's rendezvous order whose daemon accepts the pin (its pin cap
-may refuse). The router sends the template's requests there.
+pin id ``template:{tenant}/{name}``, in ONE cache: through the first serving
+replica of the template's rendezvous order whose daemon accepts the pin (its
+pin cap may refuse). The router sends the template's requests there. Pins
+live in daemons, so the keeper counts them by cache (the ``cache_id`` each
+replica's ``Info`` reports), not by replica: engines sharing a daemon share
+its pins, and a template whose replica drains stays pinned while another
+replica of the same cache serves (it only becomes the template's home).
 
 NOTE: one replica per template, not all of them: pins are capped per daemon,
 so pinning everywhere would cap the fleet at one daemon's worth of templates
@@ -13,15 +17,16 @@ blocks there once and they stay cached, unpinned, while they are used.
 
 Every ``interval_s`` the keeper:
 
-- asks each serving replica for its cache id (``Info.cache_id``); a new id is
-  a new, empty cache (its daemon restarted): nothing is pinned there any more;
-- places every live template of the warm set: one not pinned on a serving
-  replica is warmed on the first one that accepts it; one pinned on a replica
-  that a replica earlier in its order (back from a restart, say) could take is
-  moved there;
-- unpins what it pinned on a replica and no longer wants there (moved, or the
+- asks each serving replica for its cache id (``Info.cache_id``; the router
+  keeps it): a cache no serving replica reports any more is gone (its daemon
+  restarted: a new id, a new and empty cache), and so are its pins;
+- places every live template of the warm set: one not pinned in a serving
+  cache is warmed through the first replica that accepts it; one pinned in a
+  cache that a cache earlier in its order (back from a restart, say) could
+  take is moved there;
+- unpins what it pinned in a cache and no longer wants there (moved, or the
   template is gone), and sweeps the warm set: a member whose template expired
-  or was deleted is unpinned on every serving replica and dropped.
+  or was deleted is unpinned in every serving cache and dropped.
 
 Every step is idempotent, so several gateways may share one Redis.
 """
@@ -68,9 +73,8 @@ class TemplateKeeper:
         self.pool = pool
         self.router = pool.router
         self.interval_s = interval_s
-        self._cache_ids: dict[str, str] = {}  # replica -> the cache its pins below live in
-        self._pinned: dict[str, set[str]] = {}  # replica -> warm members this gateway pinned there
-        self._refused: dict[str, set[str]] = {}  # replica -> members its pin cap refused (this cache)
+        self._pinned: dict[str, set[str]] = {}  # cache id -> warm members this gateway pinned there
+        self._refused: dict[str, set[str]] = {}  # cache id -> members its pin cap refused
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="template-keeper", daemon=True)
@@ -83,8 +87,10 @@ class TemplateKeeper:
         self._thread.join(timeout=5)
 
     def pinned_on(self, address: str) -> int:
+        """Templates pinned in ``address``'s cache."""
+        cache_id = self.router.cache_of(address)
         with self._lock:
-            return len(self._pinned.get(address, ()))
+            return len(self._pinned.get(cache_id, ())) if cache_id else 0
 
     # ------------------------------------------------------------- calls
 
@@ -112,11 +118,11 @@ class TemplateKeeper:
         raise error
 
     def release(self, tenant: str, name: str) -> bool:
-        """Unpins a template that is gone on every serving replica; False when
+        """Unpins a template that is gone in every serving cache; False when
         one could not be told (the sweep tries again)."""
         member = warm_member(tenant, name)
         self.router.place(member, None)
-        done = all([self._unpin(address, member) for address in self.router.serving()])
+        done = all([self._unpin(cache_id, member) for cache_id in self.router.serving_by_cache()])
         if done:
             self.store.unmark_warm(member)
         return done
@@ -128,33 +134,40 @@ class TemplateKeeper:
             cache_salt=tenant_salt(template.tenant),
             pin_id=pin_id(template.tenant, template.name),
         )
+        link = self.pool.link(address)
+        cache_id = self.router.cache_of(address) or self._learn_cache(address)
         try:
-            reply = self.pool.link(address).stub.Warm(request, timeout=timeout_s)
+            reply = link.stub.Warm(request, timeout=timeout_s)
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 with self._lock:
-                    self._refused.setdefault(address, set()).add(member)
+                    self._refused.setdefault(cache_id, set()).add(member)
             raise
         with self._lock:
-            self._pinned.setdefault(address, set()).add(member)
+            self._pinned.setdefault(cache_id, set()).add(member)
         self.router.place(member, address)
         self.store.mark_warm(template.tenant, template.name)
         self.store.set_cached_tokens(template.tenant, template.name, reply.pinned_tokens)
         return reply.pinned_tokens
 
-    def _unpin(self, address: str, member: str) -> bool:
+    def _unpin(self, cache_id: str, member: str) -> bool:
+        """Unpins ``member`` in a cache through one of its serving replicas;
+        False when none could be told (a later round tries again)."""
+        replicas = self.router.serving_by_cache().get(cache_id, [])
+        if not replicas:
+            return False
         try:
-            link = self.pool.link(address)
+            link = self.pool.link(replicas[0])
             link.stub.Unpin(epb.UnpinRequest(pin_id=f"template:{member}"), timeout=link.rpc_timeout_s)
-        except KeyError:  # the replica left the pool, and its pins with it
-            pass
+        except KeyError:  # the replica left the pool meanwhile
+            return False
         except grpc.RpcError as err:
             if err.code() != grpc.StatusCode.NOT_FOUND:  # not pinned there: nothing to release
-                log.warning("cannot unpin a template yet", extra={"template": member, "engine": address,
+                log.warning("cannot unpin a template yet", extra={"template": member, "engine": replicas[0],
                                                                   "error": err.details()})  # fmt: skip
                 return False
         with self._lock:
-            self._pinned.get(address, set()).discard(member)
+            self._pinned.get(cache_id, set()).discard(member)
         return True
 
     # ------------------------------------------------------------- rounds
@@ -165,7 +178,8 @@ class TemplateKeeper:
             members = self.store.warm_members()
             live = {m for m, alive in zip(members, self.store.live(members), strict=True) if alive}
             for address in self.router.serving():
-                self._check_cache(address)
+                self._learn_cache(address)
+            self._forget_gone_caches()
             for member in sorted(live):
                 self._place(member)
             self._unpin_unwanted(live)
@@ -175,32 +189,53 @@ class TemplateKeeper:
         except StoreUnavailable as exc:
             log.warning("cannot keep templates warm", extra={"error": str(exc)})
 
-    def _check_cache(self, address: str) -> None:
-        link = self.pool.link(address)
+    def _learn_cache(self, address: str) -> str:
+        """Asks ``address`` which cache it is attached to and tells the router ("": unknown)."""
         try:
+            link = self.pool.link(address)
             cache_id = link.info(timeout_s=min(self.interval_s * 2, link.rpc_timeout_s)).cache_id
-        except grpc.RpcError:
-            return  # the monitor marks it down
+        except (KeyError, grpc.RpcError):
+            return ""  # the monitor marks it down
+        if cache_id and cache_id != self.router.cache_of(address):
+            self.router.set_cache(address, cache_id)
+        return cache_id
+
+    def _forget_gone_caches(self) -> None:
+        """A cache no replica reports any more is gone (a restarted daemon has
+        a new one; a replica that left the pool took its cache along), and its
+        pins with it; its templates are placed again (re-warmed) this round.
+        A replica that is only down keeps its cache: its pins are still there
+        when it comes back, and are unpinned then if unwanted."""
+        known = self.router.known_caches()
         with self._lock:
-            if not cache_id or self._cache_ids.get(address) == cache_id:
-                return
-            # A new, empty cache: nothing of ours is pinned there any more.
-            self._cache_ids[address] = cache_id
-            gone, self._pinned[address] = self._pinned.get(address, set()), set()
-            self._refused[address] = set()
-        for member in gone:
-            if self.router.placement(member) == address:
-                self.router.place(member, None)
+            gone = [cache_id for cache_id in self._pinned if cache_id not in known]
+            members = set().union(*(self._pinned.pop(cache_id) for cache_id in gone))
+            for cache_id in gone:
+                self._refused.pop(cache_id, None)
+        for member in members:  # its replica's address may now name the new, empty cache
+            self.router.place(member, None)
         if gone:
-            log.info("engine cache is new; re-warming its templates", extra={"engine": address})
+            log.info("engine caches gone; re-warming their templates", extra={"templates": len(members)})
 
     def _place(self, member: str) -> None:
         order = self.router.template_order(member)
         current = self.router.placement(member)
-        # Only replicas ranked before the current one are worth a move.
+        current_cache = self.router.cache_of(current)
+        if current_cache and current not in order:
+            # Its replica stopped serving (a drain, say): a replica of the same
+            # cache holds the same pinned blocks; it becomes the home.
+            peer = next((a for a in order if self.router.cache_of(a) == current_cache), None)
+            if peer is not None:
+                self.router.place(member, peer)
+                current = peer
+        # Only caches ranked before the current one are worth a move.
         better = order[: order.index(current)] if current in order else order
         with self._lock:
-            better = [a for a in better if member not in self._refused.get(a, ())]
+            better = [
+                a for a in better
+                if self.router.cache_of(a) != current_cache
+                and member not in self._refused.get(self.router.cache_of(a), ())
+            ]  # fmt: skip
         if not better:
             return
         try:
@@ -218,12 +253,12 @@ class TemplateKeeper:
             return
 
     def _unpin_unwanted(self, live: set[str]) -> None:
-        for address in self.router.serving():
+        for cache_id in self.router.serving_by_cache():
             with self._lock:
-                pinned = set(self._pinned.get(address, ()))
+                pinned = set(self._pinned.get(cache_id, ()))
             for member in pinned:
-                if member not in live or self.router.placement(member) != address:
-                    self._unpin(address, member)
+                if member not in live or self.router.cache_of(self.router.placement(member)) != cache_id:
+                    self._unpin(cache_id, member)
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -35,6 +35,9 @@ class ReplicaState:
     address: str
     slot: int  # its bit in the block index
     serving: bool = False
+    #: the daemon cache it is attached to ("": not known yet): replicas of one
+    #: cache (engines sharing a daemon) hold the same blocks and pins
+    cache_id: str = ""
     in_flight: int = 0
     load: Load | None = None
     load_at: float = -math.inf  # when the last report arrived

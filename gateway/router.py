@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 from gateway.block_index import DEVICE, HOST, BlockIndex
 from gateway.placement import TemplatePlacement, rendezvous
@@ -97,6 +97,32 @@ class Router:
         with self._lock:
             return sorted(a for a, r in self._replicas.items() if r.serving)
 
+    def set_cache(self, address: str, cache_id: str) -> None:
+        """The daemon cache ``address`` is attached to (from its ``Info``)."""
+        with self._lock:
+            if (replica := self._replicas.get(address)) is not None:
+                replica.cache_id = cache_id
+
+    def cache_of(self, address: str | None) -> str:
+        """The cache ``address`` is attached to ("": unknown, or no such replica)."""
+        with self._lock:
+            replica = self._replicas.get(address) if address is not None else None
+            return replica.cache_id if replica is not None else ""
+
+    def known_caches(self) -> set[str]:
+        """The caches some replica (serving or not) was last seen attached to."""
+        with self._lock:
+            return {r.cache_id for r in self._replicas.values() if r.cache_id}
+
+    def serving_by_cache(self) -> dict[str, list[str]]:
+        """cache id -> its serving replicas by address (replicas of an unknown cache left out)."""
+        with self._lock:
+            caches: dict[str, list[str]] = {}
+            for address, r in sorted(self._replicas.items()):
+                if r.serving and r.cache_id:
+                    caches.setdefault(r.cache_id, []).append(address)
+            return caches
+
     def addresses(self) -> list[str]:
         with self._lock:
             return sorted(self._replicas)
@@ -167,20 +193,25 @@ class Router:
         """The replica for a request (see ``route``)."""
         return self.route(key).address
 
-    def route(self, key: RouteKey) -> Route:
+    def route(self, key: RouteKey, exclude: Collection[str] = ()) -> Route:
         """The replica for a request; count it with ``started``/``finished``.
 
+        Args:
+            exclude: replicas not to choose (they refused this request).
+
         Raises:
-            NoReplica: none is serving.
+            NoReplica: none is serving (or every one serving is excluded).
         """
         with self._lock:
             if self._candidates is None:
                 self._candidates = sorted((r for r in self._replicas.values() if r.serving), key=lambda r: r.address)
             candidates = self._candidates
+            if exclude:
+                candidates = [r for r in candidates if r.address not in exclude]
             if not candidates:
                 known = ", ".join(sorted(self._replicas)) or "none"
                 raise NoReplica(f"no engine replica is serving (replicas: {known})")
-            held = self._held_blocks(key, candidates)
+            held = self._held_blocks(key, candidates, excluding=bool(exclude))
             target = self._policy.choose(key, candidates, held)
             run = held.get(target.slot, 0)
             return Route(target.address, key.uncached(run), key.keys[run:])
@@ -212,12 +243,18 @@ class Router:
                 replica.in_flight = max(0, replica.in_flight - 1)
                 self._index.unpromise(replica.slot, replica.drop(ticket, self.config.report_lag_s))
 
-    def _held_blocks(self, key: RouteKey, candidates: list[ReplicaState]) -> dict[int, int]:
-        """slot -> the request's leading blocks held there (replicas holding none left out)."""
-        if self._among is None:
-            self._among = sum(1 << r.slot for r in candidates)
-        held = self._index.run_lengths(key.keys, self._among) if key.keys else {}
+    def _held_blocks(self, key: RouteKey, candidates: list[ReplicaState], excluding: bool = False) -> dict[int, int]:
+        """slot -> the request's leading blocks held there (replicas holding none left out).
+
+        A templated request's template counts as held on its home and on
+        every replica of the home's cache (engines sharing its daemon)."""
+        among = sum(1 << r.slot for r in candidates) if excluding else self._among
+        if among is None:
+            among = self._among = sum(1 << r.slot for r in candidates)
+        held = self._index.run_lengths(key.keys, among) if key.keys else {}
         if key.template:
             home = self._placement.home(key.template, candidates)
-            held[home.slot] = max(held.get(home.slot, 0), key.template_blocks)
+            for r in candidates:
+                if r is home or (home.cache_id and r.cache_id == home.cache_id):
+                    held[r.slot] = max(held.get(r.slot, 0), key.template_blocks)
         return held

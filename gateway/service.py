@@ -156,19 +156,38 @@ class GatewayService(pb_grpc.GatewayServicer):
     def _relay(
         self, tenant: str, engine_request: epb.GenerateRequest, template_tokens: int, key: RouteKey, context
     ) -> Iterator:
+        """Streams the request from the replica the router picks. A replica
+        that is UNAVAILABLE before the request's first token (draining, gone)
+        hands it to the next one the router picks, until none is left."""
         # NoReplica and LimitExceeded reach the client through the status table.
         route = self.router.route(key)
         self.slots.take(tenant)
+        released = _Once(lambda: self.slots.give_back(tenant))
+        context.add_callback(released)  # a cancelled stream may never resume this generator
+        tried: set[str] = set()
+        try:
+            while True:
+                refused = yield from self._relay_once(route, engine_request, template_tokens, context)
+                if refused is None:
+                    return
+                tried.add(route.address)
+                try:
+                    route = self.router.route(key, exclude=tried)
+                except NoReplica:
+                    context.abort(*refused)
+                log.info("request handed to another replica", extra={"refused_by": sorted(tried)})
+        finally:
+            released()
+
+    def _relay_once(self, route, engine_request: epb.GenerateRequest, template_tokens: int, context):
+        """One replica's try (a generator). Returns None when the call is over,
+        or the status a client would get when the replica was UNAVAILABLE
+        before anything reached the client (another replica may take it)."""
         address = route.address
         link = self.pool.link(address)
         ticket = self.router.started(address, route.uncached_tokens, route.new_keys)
-
-        def done() -> None:
-            self.router.finished(address, ticket)
-            self.slots.give_back(tenant)
-
-        finished = _Once(done)
-        context.add_callback(finished)  # a cancelled stream may never resume this generator
+        finished = _Once(lambda: self.router.finished(address, ticket))
+        context.add_callback(finished)
         call = link.stub.Generate(engine_request, timeout=remaining_s(context))
         # A client that cancels (or whose deadline passes) cancels the engine's
         # request, which frees its blocks. NOTE: a call the client abandoned
@@ -176,22 +195,27 @@ class GatewayService(pb_grpc.GatewayServicer):
         # refuses the callback then, and the engine's request is cancelled here.
         if not context.add_callback(call.cancel):
             call.cancel()
+        streamed = False
         try:
-            for i, message in enumerate(call):
-                if i == 0:  # its prefill is done: no longer queued work there
+            for message in call:
+                if not streamed:  # its prefill is done: no longer queued work there
                     self.router.prefilled(address, ticket)
+                    streamed = True
                 yield _response(message, template_tokens)
         except grpc.RpcError as err:
-            # NOTE: never retried elsewhere: tokens may have reached the client
-            # already. New requests route around the replica until its health
-            # check says it serves again.
+            # NOTE: once a message reached the client, never retried elsewhere.
+            # New requests route around the replica until its health check
+            # says it serves again.
             if err.code() == grpc.StatusCode.UNAVAILABLE:
                 self.pool.mark_down(address)
+                if not streamed and context.is_active():
+                    return link.error(err)
             if context.is_active():
                 context.abort(*link.error(err))
         finally:
             call.cancel()  # the stream was closed early (its client left): stop the engine's request
             finished()
+        return None
 
     # ----------------------------------------------------------- templates
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +38,7 @@ class EngineSettings:
     attention_backend: str = "auto"
     prefix_caching: bool = True
     cuda_graphs: str = "auto"  # auto: on with CUDA and the triton backend; on; off
+    drain_timeout_s: float = 30.0  # how long a drain lets running requests finish
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ("auto", *attention.BACKENDS):
@@ -45,6 +48,17 @@ class EngineSettings:
             raise ValueError(f"cuda_graphs must be one of {', '.join(CUDA_GRAPHS)}, got {self.cuda_graphs!r}")
         if not self.kvd_address:
             raise ValueError("kvd_address must be set (unix:PATH or HOST:PORT)")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+
+
+@dataclass(frozen=True)
+class DrainResult:
+    """How a drain went (the Drain RPC's answer)."""
+
+    handed_back: int  # requests ended before their first token (a router retries them elsewhere)
+    cut_short: int  # requests still running when the drain's time ran out
+    seconds: float
 
 
 class EngineApp:
@@ -91,7 +105,11 @@ class EngineApp:
             block_size=0,
             model_type=self.model.config.model_type,
         )
-        service = EngineService(self.engine, self.tokenizer, self.info, prefix_caching=settings.prefix_caching)
+        self._drain_lock = threading.Lock()
+        self._drained: DrainResult | None = None
+        service = EngineService(
+            self.engine, self.tokenizer, self.info, prefix_caching=settings.prefix_caching, drain=self.drain
+        )
         self.server = build_server(service)
         self.port = self.server.add_port(settings.listen)
 
@@ -107,6 +125,40 @@ class EngineApp:
     def stop(self) -> None:
         self.server.stop(grace_s=2)
         self.engine.stop()
+
+    @property
+    def drained(self) -> bool:
+        return self._drained is not None
+
+    def drain(self, timeout_s: float = 0.0) -> DrainResult:
+        """Takes the engine out of service without losing a request (see the
+        Drain RPC in protos/kvd_api/engine/v1/engine.proto), then detaches.
+        Idempotent: a second call waits for the first and gets its result.
+
+        Args:
+            timeout_s: how long running requests may take to finish (0: the settings').
+        """
+        with self._drain_lock:
+            if self._drained is not None:
+                return self._drained
+            started = time.monotonic()
+            deadline = started + (timeout_s or self.settings.drain_timeout_s)
+            self.server.set_serving(False)  # first: routers stop sending new work
+            self.engine.drain("the engine is draining (being replaced or stopped); retry on another replica")
+            log.info("engine draining", extra={"timeout_s": round(deadline - started, 1)})
+            cut_short = 0
+            while self.engine.busy and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if self.engine.busy:
+                cut_short = len(self.engine.requests.seqs)
+                self.engine.end_all("the engine's drain ran out of time; retry the request")
+                limit = time.monotonic() + 10
+                while self.engine.busy and time.monotonic() < limit:
+                    time.sleep(0.02)
+            self.engine.stop()  # detaches once its last forward's writes landed: the daemon keeps every block
+            self._drained = DrainResult(self.engine.num_handed_back, cut_short, time.monotonic() - started)
+            log.info("engine drained and detached", extra=vars(self._drained))
+            return self._drained
 
     def _attach(self) -> DaemonSession:
         client = DaemonClient.connect(self.settings.kvd_address, timeout_s=2.0, token=self.settings.kvd_token)
@@ -132,6 +184,8 @@ class EngineApp:
         return session
 
     def _health_changed(self, healthy: bool) -> None:
+        if healthy and self.engine.draining:
+            return  # a drained engine never serves again, re-attached or not
         self.server.set_serving(healthy)
 
 

@@ -93,6 +93,14 @@ COMMAND = SettingsCommand(
             default=False,
             help="never reuse cached prefixes",
         ),
+        Setting(
+            "--drain-timeout-s",
+            env="KVD_DRAIN_TIMEOUT_S",
+            type=click.FLOAT,
+            default=30.0,
+            help="on SIGTERM or a Drain call: how long running requests may take to finish before the engine "
+            "detaches (requests not started yet are handed back to the router at once)",
+        ),
         log_level(),
     ],
 )
@@ -115,6 +123,7 @@ def config_from(args: SimpleNamespace):
         attention_backend=args.attention_backend,
         prefix_caching=not args.no_prefix_caching,
         cuda_graphs=args.cuda_graphs,
+        drain_timeout_s=args.drain_timeout_s,
     )
 
 
@@ -138,12 +147,17 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     app.start()
-    while not stop.wait(0.5):
+    while not stop.wait(0.2):
         if app.engine.fatal:
             print(f"kvd-engine: {app.engine.fatal}", file=sys.stderr)
             app.stop()
             return 2
+        if app.drained:  # a Drain call: it has answered, the engine is detached
+            break
+    # NOTE: SIGTERM (a rolling replacement, docker stop, Kubernetes) drains:
+    # no request is lost and the daemon keeps every block this engine computed.
     log.info("engine stopping")
+    app.drain()
     app.stop()
     return 0
 

@@ -148,6 +148,8 @@ class Engine:
         self.prefill_rate = PrefillRate()
         self._free_blocks = 0
         self.num_preempted = 0  # requests the daemon preempted, summed over steps
+        self.num_handed_back = 0  # requests ended before their first token by a drain
+        self.draining: str | None = None  # set by drain(): why new requests are refused
         self.fatal: str | None = None  # set when the engine can never serve; the process should exit
 
     # ------------------------------------------------------------ public
@@ -168,11 +170,32 @@ class Engine:
         self.streams.close()
 
     def submit(self, seq: Sequence) -> None:
-        """Queues a sequence. Raises ``EngineUnavailable`` without a daemon."""
+        """Queues a sequence. Raises ``EngineUnavailable`` without a daemon or while draining."""
+        if self.draining:
+            raise EngineUnavailable(self.draining)
         if not self.healthy:
             raise EngineUnavailable("the engine is not attached to the KV-cache daemon")
         self._inbox.put(("add", seq))
         self._wake.set()
+
+    def drain(self, message: str) -> None:
+        """Stops taking requests (``submit`` raises ``EngineUnavailable(message)``)
+        and hands back every request that has streamed nothing yet: it ends
+        with ``message`` as an error before its first token, which a router
+        retries on another replica. The others run to their end."""
+        self.draining = message
+        self._inbox.put(("hand_back", (message, False)))
+        self._wake.set()
+
+    def end_all(self, message: str) -> None:
+        """Ends every request now with ``message`` as an error (a drain out of time)."""
+        self._inbox.put(("hand_back", (message, True)))
+        self._wake.set()
+
+    @property
+    def busy(self) -> bool:
+        """Requests are queued, running, or waiting for their release here."""
+        return self.requests.has_work or self._forward is not None or not self._inbox.empty()
 
     def cancel(self, request_id: str, finish: Finish = Finish.CANCELLED) -> None:
         """Stops a sequence; safe from any thread, for finished ones too.
@@ -351,10 +374,23 @@ class Engine:
             if kind == "add":
                 item.generator = make_generator(item.params.seed)
                 self.requests.add(item)
+            elif kind == "hand_back":
+                self._hand_back(*item)
             else:
                 seq = self.requests.cancel(*item)
                 if seq is not None:  # the daemon never heard of it
                     self.streams.finished(seq)
+
+    def _hand_back(self, message: str, everything: bool) -> None:
+        """Ends the requests that streamed nothing yet (all of them: ``everything``) with an error."""
+        for seq in list(self.requests.seqs.values()):
+            if seq.is_finished or (seq.output_ids and not everything):
+                continue
+            seq.error = message
+            self.num_handed_back += not seq.output_ids
+            dropped = self.requests.cancel(seq.request_id, Finish.ERROR)
+            if dropped is not None:  # the daemon never heard of it
+                self.streams.finished(dropped)
 
     # ------------------------------------------------------------ daemon
 

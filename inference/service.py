@@ -7,7 +7,9 @@ import logging
 import secrets
 import tempfile
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -19,6 +21,9 @@ from kvd.grpc_server import Server, StatusTable
 from kvd.grpc_server import build_server as build_grpc_server
 from kvd_api.engine.v1 import engine_pb2 as pb
 from kvd_api.engine.v1 import engine_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from inference.app import DrainResult
 
 log = logging.getLogger("inference.service")
 
@@ -52,11 +57,19 @@ class EngineService(pb_grpc.EngineServicer):
         nothing it computes is ever reused (the cache's worth, measured).
     """
 
-    def __init__(self, engine: Engine, tokenizer, info: ModelInfo, prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer,
+        info: ModelInfo,
+        prefix_caching: bool = True,
+        drain: Callable[[float], DrainResult] | None = None,
+    ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.info = info
         self.prefix_caching = prefix_caching
+        self._drain = drain
 
     def _salt(self, requested: bytes) -> bytes:
         return requested if self.prefix_caching else secrets.token_bytes(16)
@@ -126,6 +139,14 @@ class EngineService(pb_grpc.EngineServicer):
         pinned = daemon.pin(request.pin_id, prompt, request.cache_salt) if request.pin_id else 0
         return pb.WarmResponse(cached_tokens=cached, pinned_tokens=pinned)
 
+    def Drain(self, request, context):
+        if self._drain is None:
+            raise EngineUnavailable("this engine cannot be drained (it was not started by kvd-engine)")
+        if request.timeout_s < 0:
+            raise ValueError(f"timeout_s must be >= 0, got {request.timeout_s}")
+        result = self._drain(request.timeout_s)
+        return pb.DrainResponse(handed_back=result.handed_back, cut_short=result.cut_short, seconds=result.seconds)
+
     def Unpin(self, request, context):
         if not request.pin_id:
             raise ValueError("pin_id is empty")
@@ -172,6 +193,7 @@ class EngineService(pb_grpc.EngineServicer):
             device=i.device,
             cache_id=session.cache_id if (session := self.engine.session) is not None else "",
             model_type=i.model_type,
+            draining=bool(self.engine.draining),
         )
 
     # ---------------------------------------------------------- helpers

@@ -1,9 +1,18 @@
 """`kvd-serve`: the whole stack on its defaults, as child processes.
 
-Starts the daemon, the engine and the gateway, prints where to reach them,
-stops all of them on Ctrl-C, and if one dies, stops the others with a message
-naming it. Each child keeps its own flags and environment variables; this only
-supervises (it reads the addresses it passes on: its own settings, in ``COMMAND``).
+Starts the daemon, ``--engines`` engines sharing it (one daemon session each:
+a prefix one computed is a hit for all) and the gateway in front of them,
+prints where to reach them, stops all of them on Ctrl-C, and if one dies,
+stops the others with a message naming it. Each child keeps its own flags
+and environment variables; this only supervises (it reads the addresses it
+passes on: its own settings, in ``COMMAND``).
+
+SIGHUP replaces the engines one at a time (an upgrade, a new model file of
+the same model): each is drained (SIGTERM: it stops taking requests, hands
+back those that streamed nothing yet, finishes the others, detaches) and
+started again on its address, and the next waits until it serves. With two
+engines or more no request is lost and nothing is recomputed: the daemon's
+cache, and every prefix in it, outlives each engine.
 """
 
 from __future__ import annotations
@@ -14,6 +23,10 @@ import sys
 import time
 from types import SimpleNamespace
 
+import click
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from kvd.cli import SOCKET
 from kvd.settings import Setting, SettingsCommand, parse
 
@@ -21,63 +34,129 @@ COMMAND = SettingsCommand(
     "kvd-serve",
     help=__doc__.splitlines()[0],
     params=[
-        Setting("--engine", env="KVD_ENGINE_ADDR", default="127.0.0.1:50052", help="engine address"),
+        Setting(
+            "--engine",
+            env="KVD_ENGINE_ADDR",
+            default="127.0.0.1:50052",
+            help="the first engine's address (the others take the next ports)",
+        ),
+        Setting(
+            "--engines",
+            "num_engines",
+            env="KVD_SERVE_ENGINES",
+            type=click.IntRange(min=1),
+            default=1,
+            help="engine processes sharing the daemon's cache (SIGHUP replaces them one at a time)",
+        ),
         Setting("--gateway", env="KVD_GATEWAY_ADDR", default="127.0.0.1:50051", help="the public gateway's address"),
-        SOCKET,  # the daemon's own: kvd-serve hands it to the daemon and the engine
+        SOCKET,  # the daemon's own: kvd-serve hands it to the daemon and the engines
     ],
 )
 
+#: How long a replaced engine may take to come back and serve (model load included).
+ENGINE_START_S = 300.0
 
-def _children(args: SimpleNamespace) -> list[tuple[str, list[str]]]:
-    python = sys.executable
-    socket_path = args.socket
-    return [
-        ("kvd", [python, "-m", "kvd.cli", "--socket", socket_path]),
-        ("engine", [python, "-m", "inference.cli", "--kvd-address", f"unix:{socket_path}", "--listen", args.engine]),
-        ("gateway", [python, "-m", "gateway.cli", "--listen", args.gateway, "--engines", args.engine]),
-    ]
+
+def engine_addresses(first: str, count: int) -> list[str]:
+    """``count`` engine addresses: ``first``, then the ports after it."""
+    host, _, port = first.rpartition(":")
+    return [f"{host}:{int(port) + i}" for i in range(count)]
+
+
+class Stack:
+    """The children, by name: ``kvd``, ``engine-0``..., ``gateway``."""
+
+    def __init__(self, args: SimpleNamespace) -> None:
+        python = sys.executable
+        self.engines = engine_addresses(args.engine, args.num_engines)
+        self.commands = {"kvd": [python, "-m", "kvd.cli", "--socket", args.socket]}
+        for i, address in enumerate(self.engines):
+            self.commands[f"engine-{i}"] = [
+                python, "-m", "inference.cli", "--kvd-address", f"unix:{args.socket}", "--listen", address,
+            ]  # fmt: skip
+        self.commands["gateway"] = [
+            python, "-m", "gateway.cli", "--listen", args.gateway, "--engines", ",".join(self.engines),
+        ]  # fmt: skip
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self) -> None:
+        for name, cmd in self.commands.items():
+            self.procs[name] = subprocess.Popen(cmd)
+
+    def dead(self) -> tuple[str, int] | None:
+        """A child that exited, and its code (None: all run)."""
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                return name, proc.returncode
+        return None
+
+    def replace_engines(self) -> None:
+        """Drains and restarts each engine in turn (see the module's docstring)."""
+        for i, address in enumerate(self.engines):
+            name = f"engine-{i}"
+            print(f"kvd-serve: replacing {name} ({address}): draining it", flush=True)
+            old = self.procs[name]
+            old.send_signal(signal.SIGTERM)
+            old.wait()
+            self.procs[name] = subprocess.Popen(self.commands[name])
+            if not wait_serving(address, self.procs[name], ENGINE_START_S):
+                print(f"kvd-serve: {name} did not come back; the rolling replacement stops", file=sys.stderr)
+                return
+            print(f"kvd-serve: {name} serves again", flush=True)
+
+    def stop(self) -> None:
+        # The gateway first, then the engines, then the daemon they are attached to.
+        for proc in reversed(list(self.procs.values())):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=45)  # an engine drains: its running requests finish first
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def wait_serving(address: str, proc: subprocess.Popen, timeout_s: float) -> bool:
+    """Whether the gRPC server at ``address`` reports SERVING before ``timeout_s`` (False if ``proc`` exits)."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if health.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == 1:
+                    return True
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    return False
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(COMMAND, argv)
-    procs: dict[str, subprocess.Popen] = {}
-    stopping = False
-
-    def stop(*_):
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
-    for name, cmd in _children(args):
-        procs[name] = subprocess.Popen(cmd)
+    stack = Stack(args)
+    state = {"stopping": False, "replace": False}
+    signal.signal(signal.SIGINT, lambda *_: state.update(stopping=True))
+    signal.signal(signal.SIGTERM, lambda *_: state.update(stopping=True))
+    signal.signal(signal.SIGHUP, lambda *_: state.update(replace=True))
+    stack.start()
+    engines = ", ".join(stack.engines)
     print(
-        f"kvd-serve: gateway on {args.gateway} (gRPC, the public API); engine on {args.engine}; "
-        "Ctrl-C stops everything",
+        f"kvd-serve: gateway on {args.gateway} (gRPC, the public API); engines on {engines}; "
+        "Ctrl-C stops everything; SIGHUP replaces the engines one at a time",
         flush=True,
     )
     code = 0
-    while not stopping:
-        for name, proc in procs.items():
-            if proc.poll() is not None:
-                print(f"kvd-serve: {name} exited with code {proc.returncode}; stopping the others", file=sys.stderr)
-                stopping, code = True, 1
-                break
+    while not state["stopping"]:
+        if state["replace"]:
+            state["replace"] = False
+            stack.replace_engines()
+        if (dead := stack.dead()) is not None:
+            print(f"kvd-serve: {dead[0]} exited with code {dead[1]}; stopping the others", file=sys.stderr)
+            code = 1
+            break
         time.sleep(0.2)
-    _stop_all(procs)
+    stack.stop()
     return code
-
-
-def _stop_all(procs: dict[str, subprocess.Popen]) -> None:
-    # The gateway first, then the engine, then the daemon it is attached to.
-    for proc in reversed(list(procs.values())):
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    for proc in procs.values():
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 if __name__ == "__main__":

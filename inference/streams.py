@@ -128,6 +128,9 @@ class StreamWriter:
             seq.events.put(("tokens", [token], [logprob] if params.logprobs else [], text, [top] if top else []))
 
     def _write_finished(self, seq: Sequence) -> None:
+        if seq.finish is Finish.ERROR:  # ended early on purpose (a drain hands it back)
+            self._write_error(seq, seq.error or "the request was ended by the engine")
+            return
         stream = self._streams.pop(seq.request_id, None)
         if stream is None:
             seq.events.put(("finished", seq.finish, 0))

@@ -28,6 +28,7 @@ from kvd.client import DaemonClient
 from tests.conftest import (
     blocks_held,
     free_port,
+    free_port_at,
     health_status,
     start_daemon,
     start_engine,
@@ -494,9 +495,13 @@ def _answers(client: GatewayClient) -> bool:
         return False
 
 
-def test_make_serve_stack_starts_three_processes_and_stops_them(workdir, model_dir):
-    """`kvd-serve` (what `make serve` runs): a templated request through its gateway, then Ctrl-C."""
+def test_make_serve_stack_starts_its_processes_replaces_engines_and_stops_them(workdir, model_dir):
+    """`kvd-serve` (what `make serve` runs) with two engines: a templated request
+    through its gateway, SIGHUP replaces the engines one at a time while a
+    client keeps asking (no request fails), then Ctrl-C."""
     gateway_port, engine_port = free_port(), free_port()
+    while not free_port_at(engine_port + 1):
+        engine_port = free_port()
     env = {
         **os.environ,
         "KVD_SOCKET": f"{workdir}/serve.sock",
@@ -507,7 +512,7 @@ def test_make_serve_stack_starts_three_processes_and_stops_them(workdir, model_d
         "KVD_NUM_BLOCKS": "256",
     }
     cmd = [sys.executable, "-m", "inference.stack", "--gateway", f"127.0.0.1:{gateway_port}",
-           "--engine", f"127.0.0.1:{engine_port}"]  # fmt: skip
+           "--engine", f"127.0.0.1:{engine_port}", "--engines", "2"]  # fmt: skip
     with open(f"{workdir}/serve.log", "w") as log:
         stack = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -517,6 +522,13 @@ def test_make_serve_stack_starts_three_processes_and_stops_them(workdir, model_d
             client.create_template("hello", SUPPORT)
             _, usage = completion(client, " Hi", template="hello", max_new_tokens=2)
             assert usage.cached_prompt_tokens >= usage.template_tokens // BLOCK * BLOCK > 0
+            stack.send_signal(signal.SIGHUP)
+            log_path = Path(f"{workdir}/serve.log")
+            replaced = lambda: log_path.read_text().count("serves again") == 2  # noqa: E731
+            while not replaced():
+                assert stack.poll() is None, log_path.read_text()
+                _, usage = completion(client, " Still there?", template="hello", max_new_tokens=2)
+                assert usage.cached_prompt_tokens >= usage.template_tokens // BLOCK * BLOCK > 0
         stack.send_signal(signal.SIGINT)
         assert stack.wait(timeout=60) == 0
     finally:
@@ -524,6 +536,7 @@ def test_make_serve_stack_starts_three_processes_and_stops_them(workdir, model_d
             stack.kill()
     log = Path(f"{workdir}/serve.log").read_text()
     assert "gateway on 127.0.0.1" in log and "single-user mode" in log
+    assert f"engines on 127.0.0.1:{engine_port}, 127.0.0.1:{engine_port + 1}" in log
 
 
 def test_concurrent_templated_requests(acme):

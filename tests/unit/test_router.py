@@ -326,3 +326,32 @@ def test_promised_blocks_count_every_request_that_promised_them():
     index.unpromise(0, keys[5:10])
     index.unpromise(1, keys[:3])
     assert index.run_lengths(keys, 0b11) == {0: 5} and index.num_promised() == 0
+
+
+def test_a_request_refused_by_a_replica_goes_to_another_and_none_left_is_unavailable():
+    r = router(A, B, policy="cost")
+    r.apply(A, [("stored", PROMPT, 0)])
+    key = RouteKey(block_hashes=PROMPT, num_tokens=64, block_size=16)
+    assert r.route(key).address == A
+    assert r.route(key, exclude={A}).address == B  # A handed it back (draining)
+    with pytest.raises(NoReplica):
+        r.route(key, exclude={A, B})
+    assert r.route(key).address == A  # an exclusion is one request's, not the router's
+
+
+def test_replicas_of_one_cache_share_its_templates_and_the_router_knows_its_caches():
+    D = "10.0.0.4:50052"
+    r = router(A, B, C, D, policy="cost")
+    r.set_cache(A, "cache-1")
+    r.set_cache(B, "cache-1")  # two engines on one daemon
+    r.set_cache(C, "cache-2")
+    assert r.serving_by_cache() == {"cache-1": [A, B], "cache-2": [C]}  # D's cache is not known yet
+    r.place("acme/bot", A)
+    key = RouteKey(template="acme/bot", num_tokens=640, block_size=16, template_blocks=32)
+    r.started(A, 64)  # A is busier: its peer B holds the template too and wins
+    assert r.route(key).address == B
+    assert r.route(key).uncached_tokens == 640 - 32 * 16
+    r.set_serving(A, False)
+    assert r.known_caches() == {"cache-1", "cache-2"}  # a replica that is down keeps its cache
+    assert r.serving_by_cache() == {"cache-1": [B], "cache-2": [C]}
+    assert r.cache_of(A) == "cache-1" and r.cache_of(None) == "" and r.cache_of("nowhere:1") == ""

@@ -21,6 +21,22 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_EOS: FinishReason
 FINISH_REASON_CANCELLED: FinishReason
 
+class DrainRequest(_message.Message):
+    __slots__ = ("timeout_s",)
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    timeout_s: float
+    def __init__(self, timeout_s: _Optional[float] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("handed_back", "cut_short", "seconds")
+    HANDED_BACK_FIELD_NUMBER: _ClassVar[int]
+    CUT_SHORT_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    handed_back: int
+    cut_short: int
+    seconds: float
+    def __init__(self, handed_back: _Optional[int] = ..., cut_short: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -191,7 +207,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "dtype", "block_size", "max_context", "attention_backend", "vocab_size", "eos_token_ids", "device", "cache_id", "model_type")
+    __slots__ = ("model", "dtype", "block_size", "max_context", "attention_backend", "vocab_size", "eos_token_ids", "device", "cache_id", "model_type", "draining")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +218,7 @@ class InfoResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     block_size: int
@@ -212,7 +229,8 @@ class InfoResponse(_message.Message):
     device: str
     cache_id: str
     model_type: str
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_context: _Optional[int] = ..., attention_backend: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., cache_id: _Optional[str] = ..., model_type: _Optional[str] = ...) -> None: ...
+    draining: bool
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_context: _Optional[int] = ..., attention_backend: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., cache_id: _Optional[str] = ..., model_type: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class BlockEventsRequest(_message.Message):
     __slots__ = ()

@@ -75,6 +75,11 @@ class EngineStub:
                 request_serializer=kvd__api_dot_engine_dot_v1_dot_engine__pb2.LoadRequest.SerializeToString,
                 response_deserializer=kvd__api_dot_engine_dot_v1_dot_engine__pb2.LoadReport.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/kvd.engine.v1.Engine/Drain',
+                request_serializer=kvd__api_dot_engine_dot_v1_dot_engine__pb2.DrainRequest.SerializeToString,
+                response_deserializer=kvd__api_dot_engine_dot_v1_dot_engine__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -144,6 +149,20 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Takes the engine out of service without losing a request: its health
+        turns NOT_SERVING at once (routers stop sending it work), new requests are
+        refused with UNAVAILABLE, requests that streamed nothing yet are handed
+        back (UNAVAILABLE before their first token: a router retries them on
+        another replica), the others run to their end (for at most timeout_s,
+        then they end with UNAVAILABLE too). Then the engine detaches from its
+        daemon, whose cache keeps every block it computed, and its process exits.
+        Answers once the engine has detached. The same happens on SIGTERM.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -186,6 +205,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Load,
                     request_deserializer=kvd__api_dot_engine_dot_v1_dot_engine__pb2.LoadRequest.FromString,
                     response_serializer=kvd__api_dot_engine_dot_v1_dot_engine__pb2.LoadReport.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=kvd__api_dot_engine_dot_v1_dot_engine__pb2.DrainRequest.FromString,
+                    response_serializer=kvd__api_dot_engine_dot_v1_dot_engine__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -404,6 +428,33 @@ class Engine:
             '/kvd.engine.v1.Engine/Load',
             kvd__api_dot_engine_dot_v1_dot_engine__pb2.LoadRequest.SerializeToString,
             kvd__api_dot_engine_dot_v1_dot_engine__pb2.LoadReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.engine.v1.Engine/Drain',
+            kvd__api_dot_engine_dot_v1_dot_engine__pb2.DrainRequest.SerializeToString,
+            kvd__api_dot_engine_dot_v1_dot_engine__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,
