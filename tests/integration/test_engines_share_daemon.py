@@ -50,21 +50,27 @@ def test_two_engines_hit_each_others_prompts_and_one_death_spares_the_other(work
         daemon.stop()
 
 
-def test_an_engine_of_another_model_with_the_same_layout_is_refused_naming_the_difference(workdir):
+def test_an_engine_of_another_model_or_layout_is_refused_naming_the_difference(workdir):
     """Same layers, heads and dtype, other weights: its blocks would hold
     other numbers under the same hashes. It must not attach, and it says why."""
-    base, tuned = Path(workdir) / "base", Path(workdir) / "tuned"
+    base, tuned, other = Path(workdir) / "base", Path(workdir) / "tuned", Path(workdir) / "other"
     build(FAMILIES["llama"], base, seed=0)
     build(FAMILIES["llama"], tuned, seed=1)
+    build(FAMILIES["qwen3"], other)  # another layout too (head dim 128)
     daemon = start_daemon(["--block-size", "16", "--num-blocks", "64"], workdir)
     first = start_engine(daemon, ["--model", str(base), "--dtype", "float32"], workdir)
-    second = start_engine(daemon, ["--model", str(tuned), "--dtype", "float32"], workdir, wait=False)
+    refused = [
+        start_engine(daemon, ["--model", str(model), "--dtype", "float32"], workdir, wait=False)
+        for model in (tuned, other)
+    ]
     try:
-        assert second.process.wait(timeout=120) == 2
-        log = second.log()
-        assert "refused this engine" in log and "weights digest" in log and "not this cache's" in log, log
+        for engine, why in zip(refused, ("weights digest", "does not match the daemon's cache"), strict=True):
+            assert engine.process.wait(timeout=120) == 2
+            log = engine.log()
+            assert "refused this engine" in log and why in log, log
         generate(stub(first.address), request([5, 6, 7, 8], 2))  # the first one serves on
     finally:
-        second.stop()
+        for engine in refused:
+            engine.stop()
         first.stop()
         daemon.stop()
