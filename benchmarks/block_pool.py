@@ -48,10 +48,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import _common as common
 import block_pool_steps as steps
 import block_pool_waiting as waiting
 import block_pool_workloads as wl
+import harness
 from block_pool_vllm import VllmWorker
 from block_pool_workloads import BLOCK_SIZE, EVICT_BLOCKS, IN_FLIGHT, TOKEN_BUDGET, VOCAB, Run, Workload
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -79,7 +79,7 @@ def run_manager(w: Workload, label: str) -> Run:
     t_hash, t_admit, t_commit, t_free = (run.op_us[op] for op in ("hash", "admit", "commit", "free"))
     requests: list[Any] = [None] * n
     clock = time.perf_counter_ns
-    progress = common.Progress(label, n)
+    progress = harness.Progress(label, n)
     start, cpu_start = clock(), time.process_time()
     for commit, frees, admit in wl.schedule(n):
         if commit is not None:
@@ -144,7 +144,7 @@ def run_rpc(daemon: Daemon, w: Workload, label: str, batched: bool = False) -> R
 
 
 def run_vllm(worker: VllmWorker, w: Workload, seed: int, label: str) -> Run:
-    progress = common.Progress(label, 1)
+    progress = harness.Progress(label, 1)
     answer = worker.run(w.name, len(w.prompts), seed)
     progress.done()
     counts = ("wall_s", "cpu_s", "prompt_tokens", "cached_tokens", "new_blocks")
@@ -157,14 +157,14 @@ def summarize(runs: list[Run], requests: int) -> dict[str, Any]:
     """Medians over repeats; counts come from the first repeat (they are deterministic)."""
     first = runs[0]
     out: dict[str, Any] = {
-        "requests_per_s": common.median([requests / r.wall_s for r in runs]),
-        "new_blocks_per_s": common.median([r.new_blocks / r.wall_s for r in runs]),
-        "cpu_requests_per_s": common.median([requests / r.cpu_s for r in runs]),
+        "requests_per_s": harness.median([requests / r.wall_s for r in runs]),
+        "new_blocks_per_s": harness.median([r.new_blocks / r.wall_s for r in runs]),
+        "cpu_requests_per_s": harness.median([requests / r.cpu_s for r in runs]),
         "token_hit_rate": first.cached_tokens / first.prompt_tokens,
         "evictions": first.evictions,
-        "us_per_request": {op: common.median([common.median(r.op_us[op]) for r in runs]) for op in first.op_us},
-        "us_per_request_mean": {op: common.median([common.mean(r.op_us[op]) for r in runs]) for op in first.op_us},
-        "wall_s": common.median([r.wall_s for r in runs]),
+        "us_per_request": {op: harness.median([harness.median(r.op_us[op]) for r in runs]) for op in first.op_us},
+        "us_per_request_mean": {op: harness.median([harness.mean(r.op_us[op]) for r in runs]) for op in first.op_us},
+        "wall_s": harness.median([r.wall_s for r in runs]),
         "requests": requests,
         "new_blocks": first.new_blocks,
         "repeats": len(runs),
@@ -174,7 +174,7 @@ def summarize(runs: list[Run], requests: int) -> dict[str, Any]:
         ),
     }
     for key in first.extra:
-        out[key] = common.median([r.extra[key] for r in runs])
+        out[key] = harness.median([r.extra[key] for r in runs])
     return out
 
 
@@ -266,7 +266,7 @@ class Daemon:
             "--metrics-port", "0", *LAYOUT_FLAGS, "--num-blocks", str(num_blocks),
             "--block-size", str(BLOCK_SIZE), "--device", "cpu", "--log-level", "warning",
         ]  # fmt: skip
-        self.process = common.KvdProcess(workdir, flags, name=name).start()
+        self.process = harness.KvdProcess(workdir, flags, name=name).start()
         self.num_blocks = num_blocks
         try:
             self.client = DaemonClient.connect(self.process.address)
@@ -276,7 +276,7 @@ class Daemon:
 
     def cpu_s(self) -> float:
         assert self.process.proc is not None
-        return common.process_cpu_s(self.process.proc.pid)
+        return harness.process_cpu_s(self.process.proc.pid)
 
     def describe(self, workdir: str, workload: str) -> dict[str, Any]:
         command = " ".join(self.process.command).replace(workdir, "<tmpdir>")
@@ -309,7 +309,7 @@ def run_decode(args, num_steps: int, workdir: str, daemons: list) -> dict[str, A
     manager = KVCacheManager(BlockPool(num_blocks), BLOCK_SIZE)
     session = Session(session_id="bench", client_name="block_pool", last_seen=0.0)
     gc.collect()
-    progress = common.Progress("decode 64 in-process run_step", 1)
+    progress = harness.Progress("decode 64 in-process run_step", 1)
     inproc = steps.decode_steps(
         lambda s: run_step(manager, session, s), running, prompt_len, num_steps, warmup, args.seed
     )
@@ -323,7 +323,7 @@ def run_decode(args, num_steps: int, workdir: str, daemons: list) -> dict[str, A
         for _ in range(warmup):
             ping()
         gc.collect()
-        progress = common.Progress("decode 64 rpc + empty calls", 1)
+        progress = harness.Progress("decode 64 rpc + empty calls", 1)
         rpc = steps.decode_steps(
             rpc_session.step, running, prompt_len, num_steps, warmup, args.seed, lambda: rtt.append(ping())
         )
@@ -335,13 +335,13 @@ def run_decode(args, num_steps: int, workdir: str, daemons: list) -> dict[str, A
     params["num_blocks"] = num_blocks
     params["empty_call"] = "grpc.health.v1.Health/Check on the Step's channel, one after each timed Step"
     return {
-        "step_rpc_64": {"p50_ms": common.median(rpc), "p99_ms": common.percentile(rpc, 99), "steps": num_steps},
+        "step_rpc_64": {"p50_ms": harness.median(rpc), "p99_ms": harness.percentile(rpc, 99), "steps": num_steps},
         "step_inprocess_64": {
-            "p50_ms": common.median(inproc),
-            "p99_ms": common.percentile(inproc, 99),
+            "p50_ms": harness.median(inproc),
+            "p99_ms": harness.percentile(inproc, 99),
             "steps": num_steps,
         },
-        "grpc_empty_rtt": {"p50_ms": common.median(rtt), "p99_ms": common.percentile(rtt, 99), "calls": len(rtt)},
+        "grpc_empty_rtt": {"p50_ms": harness.median(rtt), "p99_ms": harness.percentile(rtt, 99), "calls": len(rtt)},
         "params": params,
     }
 
@@ -360,7 +360,7 @@ def run_waiting(args, num_steps: int, repeats: int, workdir: str, daemons: list)
         for turn in range(repeats):
             for variant in turn_order(["inprocess", "rpc"], turn):
                 gc.collect()
-                progress = common.Progress(f"waiting {turn + 1}/{repeats} {variant}", 1)
+                progress = harness.Progress(f"waiting {turn + 1}/{repeats} {variant}", 1)
                 if variant == "inprocess":
                     inproc.append(waiting.run_inprocess(shape, num_steps, args.seed))
                 else:
@@ -373,7 +373,7 @@ def run_waiting(args, num_steps: int, repeats: int, workdir: str, daemons: list)
     # first requests finish, so the same number run in both.
     short = dataclasses.replace(shape, requests=2 * shape.pool_requests)
     compared = min(num_steps, shape.max_new_tokens)
-    progress = common.Progress(f"waiting, {short.requests} requests, in-process", 1)
+    progress = harness.Progress(f"waiting, {short.requests} requests, in-process", 1)
     short_run = waiting.run_inprocess(short, compared, args.seed)
     by_depth = {
         str(short.requests): waiting.summarize([short_run], short, compared),
@@ -424,9 +424,9 @@ def paired_ratios(turns: dict[str, dict[str, list[tuple[float, float]]]]) -> dic
             wall = [k[0] / v[0] for k, v in pairs]
             cpu = [k[1] / v[1] for k, v in pairs]
             paired[name][variant] = {
-                "median": common.median(wall),
+                "median": harness.median(wall),
                 "per_turn": wall,
-                "cpu_median": common.median(cpu),
+                "cpu_median": harness.median(cpu),
                 "cpu_per_turn": cpu,
             }
     return paired
@@ -438,13 +438,13 @@ def build_ratios(results: dict[str, Any], paired: dict[str, dict[str, Any]]) -> 
     ratios: dict[str, float | None] = {}
     rps = "requests_per_s"
     for name in inproc:
-        ratios[f"rpc_over_inprocess_requests_per_s_{name}"] = common.ratio(rpc[name][rps], inproc[name][rps])
-        ratios[f"rpc_over_inprocess_step_requests_per_s_{name}"] = common.ratio(rpc[name][rps], inproc_step[name][rps])
-        ratios[f"inprocess_step_over_inprocess_requests_per_s_{name}"] = common.ratio(
+        ratios[f"rpc_over_inprocess_requests_per_s_{name}"] = harness.ratio(rpc[name][rps], inproc[name][rps])
+        ratios[f"rpc_over_inprocess_step_requests_per_s_{name}"] = harness.ratio(rpc[name][rps], inproc_step[name][rps])
+        ratios[f"inprocess_step_over_inprocess_requests_per_s_{name}"] = harness.ratio(
             inproc_step[name][rps], inproc[name][rps]
         )
-        ratios[f"rpc_batched_over_rpc_requests_per_s_{name}"] = common.ratio(rpc_batched[name][rps], rpc[name][rps])
-        ratios[f"rpc_batched_over_inprocess_step_batched_requests_per_s_{name}"] = common.ratio(
+        ratios[f"rpc_batched_over_rpc_requests_per_s_{name}"] = harness.ratio(rpc_batched[name][rps], rpc[name][rps])
+        ratios[f"rpc_batched_over_inprocess_step_batched_requests_per_s_{name}"] = harness.ratio(
             rpc_batched[name][rps], step_batched[name][rps]
         )
     for name, by_variant in paired.items():
@@ -459,13 +459,13 @@ def build_ratios(results: dict[str, Any], paired: dict[str, dict[str, Any]]) -> 
     for name in ("hot", "evict"):
         if name in inproc and "cold" in inproc:
             for variant, label in (("kvd_inprocess", "inprocess"), ("kvd_rpc", "rpc")):
-                ratios[f"{name}_over_cold_requests_per_s_{label}"] = common.ratio(
+                ratios[f"{name}_over_cold_requests_per_s_{label}"] = harness.ratio(
                     results[variant][name][rps], results[variant]["cold"][rps]
                 )
     s64, i64 = results["step_rpc_64"], results["step_inprocess_64"]
-    ratios["step_rpc_64_p99_over_p50"] = common.ratio(s64["p99_ms"], s64["p50_ms"])
-    ratios["step_rpc_64_over_inprocess_p50"] = common.ratio(s64["p50_ms"], i64["p50_ms"])
-    ratios["step_64_over_empty_rtt"] = common.ratio(s64["p50_ms"], results["grpc_empty_rtt"]["p50_ms"])
+    ratios["step_rpc_64_p99_over_p50"] = harness.ratio(s64["p99_ms"], s64["p50_ms"])
+    ratios["step_rpc_64_over_inprocess_p50"] = harness.ratio(s64["p50_ms"], i64["p50_ms"])
+    ratios["step_64_over_empty_rtt"] = harness.ratio(s64["p50_ms"], results["grpc_empty_rtt"]["p50_ms"])
     return ratios
 
 
@@ -479,12 +479,12 @@ def print_table(results: dict[str, Any], ratios: dict[str, float | None], varian
                 [name, variant, r["requests_per_s"], r["cpu_requests_per_s"], r["token_hit_rate"], r["evictions"], us]
             )
     headers = ["workload", "variant", "req/s", "req/cpu-s", "hit rate", "evictions", "median us/request (step)"]
-    print(common.format_table(headers, rows))
+    print(harness.format_table(headers, rows))
     print()
     decode_rows = [
         [k, results[k]["p50_ms"], results[k]["p99_ms"]] for k in ("step_rpc_64", "step_inprocess_64", "grpc_empty_rtt")
     ]
-    print(common.format_table(["decode step, 64 running", "p50 ms", "p99 ms"], decode_rows))
+    print(harness.format_table(["decode step, 64 running", "p50 ms", "p99 ms"], decode_rows))
     print()
     waiting_rows = [
         [
@@ -498,9 +498,9 @@ def print_table(results: dict[str, Any], ratios: dict[str, float | None], varian
         for v, r in ((v, results[v]["waiting"]) for v in ("kvd_rpc", "kvd_inprocess_step"))
     ]
     headers = ["waiting (256 x 8000)", "p50 ms", "p99 ms", "daemon cpu ms", "bytes/step", "hashes/step"]
-    print(common.format_table(headers, waiting_rows))
+    print(harness.format_table(headers, waiting_rows))
     print()
-    print(common.format_table(["ratio", "value"], sorted(ratios.items())))
+    print(harness.format_table(["ratio", "value"], sorted(ratios.items())))
 
 
 def consistency_checks(results: dict[str, Any], variants: list[str]) -> dict[str, bool]:
@@ -530,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvd-bench-") as workdir:
         vllm = VllmWorker(args.vllm_python, f"{workdir}/vllm-worker.log") if args.vllm_python else None
         if vllm is None:
-            common.log("vllm_inprocess skipped: no --vllm-python given (no ratios against vLLM)")
+            harness.log("vllm_inprocess skipped: no --vllm-python given (no ratios against vLLM)")
         try:
             work = run_workloads(args, sizes, repeats, workdir, daemons, vllm)
         finally:
@@ -552,8 +552,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "benchmark": "block_pool",
         "quick": args.quick,
-        "machine": common.machine_info(),
-        "code": common.source_digest(),
+        "machine": harness.machine_info(),
+        "code": harness.source_digest(),
         "workload": {
             "block_size": BLOCK_SIZE,
             "in_flight": IN_FLIGHT,
@@ -572,21 +572,21 @@ def main(argv: list[str] | None = None) -> int:
             "waiting": wait["params"],
             "daemons": daemons,
         },
-        "results": common.rounded(results),
-        "ratios": common.rounded(ratios),
+        "results": harness.rounded(results),
+        "ratios": harness.rounded(ratios),
         "checks": checks,
         "total_s": round(time.perf_counter() - started, 1),
     }
-    common.write_json(args.json, report)
+    harness.write_json(args.json, report)
     print_table(results, ratios, variants)
     if not all(checks.values()):
-        common.log(f"WARNING: consistency checks failed: {checks}")
+        harness.log(f"WARNING: consistency checks failed: {checks}")
     if args.plot:
         groups = list(results["kvd_inprocess"])
         series = {v: [results[v][g]["requests_per_s"] for g in groups] for v in variants}
-        if common.bar_chart(args.plot, groups, series, "requests/s", "block pool: requests/s"):
-            common.log(f"plot written to {args.plot}")
-    common.log(f"results written to {args.json} in {report['total_s']}s")
+        if harness.bar_chart(args.plot, groups, series, "requests/s", "block pool: requests/s"):
+            harness.log(f"plot written to {args.plot}")
+    harness.log(f"results written to {args.json} in {report['total_s']}s")
     return 0
 
 

@@ -23,8 +23,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import _common as common
 import block_pool_workloads as wl
+import harness
 from block_pool_workloads import BLOCK_SIZE, IN_FLIGHT, TOKEN_BUDGET, Run, Workload
 
 from kvd_api.daemon.v1 import daemon_pb2 as pb
@@ -41,7 +41,7 @@ def drive_per_request(w: Workload, label: str, step_fn: StepFn) -> Run:
     t_step = run.op_us["step"]
     settings = pb.SessionSettings(max_num_seqs=MAX_NUM_SEQS, token_budget=TOKEN_BUDGET)
     clock = time.perf_counter_ns
-    progress = common.Progress(label, n)
+    progress = harness.Progress(label, n)
     start, cpu_start = clock(), time.process_time()
     for commit, frees, admit in wl.schedule(n):
         msg = pb.StepRequest(finished=[f"r{i}" for i in frees], settings=settings if commit is None else None)
@@ -82,7 +82,7 @@ def drive_batched(w: Workload, label: str, step_fn: StepFn) -> Run:
     sent = done = 0
     computing: list[tuple[str, int]] = []  # (request, end of its chunk) scheduled by the last Step
     clock = time.perf_counter_ns
-    progress = common.Progress(label, n)
+    progress = harness.Progress(label, n)
     start, cpu_start = clock(), time.process_time()
     while done < n:
         complete = [r for r, end in computing if end == lengths[r]]

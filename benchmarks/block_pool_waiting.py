@@ -29,8 +29,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import _common as common
 import block_pool_workloads as wl
+import harness
 
 from inference.requests import Finish, RequestTable, Sequence, Work
 from inference.sampling import SamplingParams
@@ -178,10 +178,10 @@ def summarize(runs: list[WaitingRun], shape: Shape, steady_steps: int | None = N
     arrival = slice(0, first.arrival_steps)
     num_steady = len(first.step_ms[steady])
     out = {
-        "step_p50_ms": common.median([common.median(r.step_ms[steady]) for r in runs]),
-        "step_p99_ms": common.median([common.percentile(r.step_ms[steady], 99) for r in runs]),
+        "step_p50_ms": harness.median([harness.median(r.step_ms[steady]) for r in runs]),
+        "step_p99_ms": harness.median([harness.percentile(r.step_ms[steady], 99) for r in runs]),
         "arrival_steps": first.arrival_steps,
-        "arrival_step_ms": common.median([sum(r.step_ms[arrival]) for r in runs]),
+        "arrival_step_ms": harness.median([sum(r.step_ms[arrival]) for r in runs]),
         "waiting_requests": shape.requests,
         "waiting_requests_steady_min": min(first.waiting[steady]),
         "steady_steps": num_steady,
@@ -191,13 +191,13 @@ def summarize(runs: list[WaitingRun], shape: Shape, steady_steps: int | None = N
         "free_blocks_steady_max": max(t[3] for t in first.trace[steady]),
     }
     if first.daemon_cpu_s is not None:
-        out["daemon_cpu_ms_per_step"] = common.median([r.daemon_cpu_s * 1e3 / num_steady for r in runs])
+        out["daemon_cpu_ms_per_step"] = harness.median([r.daemon_cpu_s * 1e3 / num_steady for r in runs])
     if first.request_bytes:
-        out["request_bytes_per_step"] = common.mean(first.request_bytes[steady])
+        out["request_bytes_per_step"] = harness.mean(first.request_bytes[steady])
         out["request_bytes_per_step_max"] = max(first.request_bytes[steady])
         out["arrival_step_request_bytes"] = sum(first.request_bytes[arrival])
     if first.hashes:
-        out["hashes_per_step"] = common.mean(first.hashes[steady])
+        out["hashes_per_step"] = harness.mean(first.hashes[steady])
         out["hashes_per_step_max"] = max(first.hashes[steady])
         out["arrival_step_hashes"] = sum(first.hashes[arrival])
     return out

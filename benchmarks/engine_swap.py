@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import _common as common
+import harness
 
 VARIANTS = ("rolling_swap", "engine_restart", "pair_restart")
 BLOCK_SIZE = 16
@@ -123,17 +123,17 @@ class Stack:
     def __init__(self, workdir: Path, model: str, engines: int) -> None:
         self.workdir = workdir
         self.model = model
-        self.daemon = common.KvdProcess(workdir, ["--block-size", str(BLOCK_SIZE), "--num-blocks", "2048",
+        self.daemon = harness.KvdProcess(workdir, ["--block-size", str(BLOCK_SIZE), "--num-blocks", "2048",
                                                   "--metrics-port", "0", "--log-level", "warning"])  # fmt: skip
         self.engines = [self._engine(i) for i in range(engines)]
-        self.gateway = common.GatewayProcess(
+        self.gateway = harness.GatewayProcess(
             workdir, ",".join(e.address for e in self.engines),
             ["--health-interval-s", "0.2", "--keeper-interval-s", "0.5", "--log-level", "warning"],
         )  # fmt: skip
 
-    def _engine(self, i: int, port: int = 0) -> common.EngineProcess:
+    def _engine(self, i: int, port: int = 0) -> harness.EngineProcess:
         args = ["--model", self.model, "--dtype", "float32", "--log-level", "warning"]
-        return common.EngineProcess(self.workdir, self.daemon.address, args, name=f"engine-{i}", port=port)
+        return harness.EngineProcess(self.workdir, self.daemon.address, args, name=f"engine-{i}", port=port)
 
     def start(self) -> None:
         self.daemon.start()
@@ -181,7 +181,7 @@ def summarize(samples: list[Sample]) -> dict[str, Any]:
     prompt = sum(s.prompt_tokens for s in ok)
     return {
         "requests": len(samples),
-        "ttft_mean_s": common.mean([s.ttft_s for s in ok]),
+        "ttft_mean_s": harness.mean([s.ttft_s for s in ok]),
         "cached_share": sum(s.cached_tokens for s in ok) / prompt if prompt else float("nan"),
     }
 
@@ -197,7 +197,7 @@ def run_variant(name: str, args: argparse.Namespace, docs: list[str]) -> dict[st
         before_start = time.monotonic()
         time.sleep(args.window_s)
         event_start = time.monotonic()
-        common.log(f"{name}: the event")
+        harness.log(f"{name}: the event")
         if name == "rolling_swap":
             for i in range(len(stack.engines)):
                 stack.restart_engine(i)
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     chosen = [v for v in VARIANTS if v in args.variants.split(",")]
     results = {}
     for name in chosen:
-        common.log(f"{name}: starting")
+        harness.log(f"{name}: starting")
         results[name] = run_variant(name, args, docs)
     ratios = {
         "rolling_swap_ttft_over_before": _over_before(results.get("rolling_swap")),
@@ -252,8 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "benchmark": "engine_swap",
         "quick": args.quick,
-        "machine": common.machine_info(),
-        "code": common.source_digest(("kvd/**/*.py", "inference/**/*.py", "gateway/**/*.py")),
+        "machine": harness.machine_info(),
+        "code": harness.source_digest(("kvd/**/*.py", "inference/**/*.py", "gateway/**/*.py")),
         "workload": {
             "window_s": args.window_s,
             "clients": args.clients,
@@ -267,24 +267,24 @@ def main(argv: list[str] | None = None) -> int:
             "ttft": "from the request's sending to its first token, by the client's clock",
             "failed_requests": "statuses other than OK from the first window's start to the second's end",
         },  # fmt: skip
-        "results": common.rounded(results),
-        "ratios": common.rounded(ratios),
+        "results": harness.rounded(results),
+        "ratios": harness.rounded(ratios),
     }
-    common.write_json(args.json, report)
+    harness.write_json(args.json, report)
     rows = [
         [name, r["ttft_before_mean_s"], r["ttft_after_mean_s"], r["cached_share_before"], r["cached_share_after"],
          r["failed_requests"]]
         for name, r in results.items()
     ]  # fmt: skip
     headers = ["variant", "ttft before", "ttft after", "cached before", "cached after", "failed"]
-    print(common.format_table(headers, rows))
-    print(common.format_table(["ratio", "value"], [[k, v] for k, v in ratios.items()]))
+    print(harness.format_table(headers, rows))
+    print(harness.format_table(["ratio", "value"], [[k, v] for k, v in ratios.items()]))
     print(f"results written to {args.json}")
     return 0
 
 
 def _over_before(result: dict[str, Any] | None) -> float | None:
-    return None if result is None else common.ratio(result["ttft_after_mean_s"], result["ttft_before_mean_s"])
+    return None if result is None else harness.ratio(result["ttft_after_mean_s"], result["ttft_before_mean_s"])
 
 
 if __name__ == "__main__":

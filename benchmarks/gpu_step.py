@@ -41,7 +41,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[1:1] = [str(ROOT), str(ROOT / "protos")]
 
-import _common as common  # noqa: E402
+import harness  # noqa: E402
 import torch  # noqa: E402
 
 # NOTE: a ratio's meaning, where it could be read either way: triton_over_sdpa_*
@@ -221,7 +221,7 @@ def run(quick: bool) -> dict[str, Any]:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     weight_bytes -= model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
     results: dict[str, Any] = {"floor": {"read_bandwidth_gb_per_s": bandwidth / 1e9, "weight_bytes": weight_bytes}}
-    common.log("capture (the engine's defaults)")
+    harness.log("capture (the engine's defaults)")
     results["capture"] = time_capture(model)
     torch.cuda.empty_cache()
     decode = results["decode"] = {}
@@ -229,7 +229,7 @@ def run(quick: bool) -> dict[str, Any]:
         for ctx_name, context in CONTEXTS.items():
             for shared in (True, False):
                 name = f"b{batch}_{ctx_name}_{'shared' if shared else 'distinct'}"
-                common.log(f"decode {name}")
+                harness.log(f"decode {name}")
                 chunks, cache, kv_bytes = decode_case(model, batch, context, shared)
                 floor = (weight_bytes + kv_bytes) / bandwidth
                 decode[name] = {**time_decode(model, chunks, cache, steps=10 if quick else 30), "floor_s": floor}
@@ -249,19 +249,19 @@ def build_ratios(results: dict[str, Any]) -> dict[str, float | None]:
     bw = results["floor"]["read_bandwidth_gb_per_s"]
 
     def over_floor(name):
-        return common.ratio(d[name]["gpu_step_s"], d[name]["floor_s"]) if name in d else None
+        return harness.ratio(d[name]["gpu_step_s"], d[name]["floor_s"]) if name in d else None
 
     b16 = d.get("b16_ctx2000_distinct", {})
 
     def speedup(case):  # SDPA-on-gathered time over Triton time
-        return common.ratio(a[case]["sdpa_gathered_us"], a[case]["triton_us"])
+        return harness.ratio(a[case]["sdpa_gathered_us"], a[case]["triton_us"])
 
     return {
         "decode_over_floor_b16": over_floor("b16_ctx2000_distinct"),
         "decode_over_floor_b64": over_floor("b64_ctx2000_distinct"),
-        "wall_over_gpu_b16": common.ratio(b16.get("wall_step_s"), b16.get("gpu_step_s")),
-        "eager_over_graphed_wall_b16": common.ratio(b16.get("wall_step_eager_s"), b16.get("wall_step_s")),
-        "attention_bandwidth_share": common.ratio(a["decode_ctx2000_b64"]["kv_gb_per_s"], bw),
+        "wall_over_gpu_b16": harness.ratio(b16.get("wall_step_s"), b16.get("gpu_step_s")),
+        "eager_over_graphed_wall_b16": harness.ratio(b16.get("wall_step_eager_s"), b16.get("wall_step_s")),
+        "attention_bandwidth_share": harness.ratio(a["decode_ctx2000_b64"]["kv_gb_per_s"], bw),
         "triton_over_sdpa_decode": speedup("decode_ctx2000_b64"),
         "triton_over_sdpa_prefill": speedup("prefill_512_over_2000"),
     }
@@ -277,19 +277,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     results = run(args.quick)
     ratios = build_ratios(results)
-    machine = {**common.machine_info(), "gpu": torch.cuda.get_device_name()}
+    machine = {**harness.machine_info(), "gpu": torch.cuda.get_device_name()}
     workload = {"model": "tests/gpu/random_llama.py (bfloat16)", "block_size": BLOCK, "batches": list(BATCHES),
                 "contexts": CONTEXTS, "backend": "triton"}  # fmt: skip
     data = {"benchmark": "gpu_step", "quick": args.quick, "machine": machine, "workload": workload,
             "results": results, "ratios": ratios}  # fmt: skip
-    common.write_json(args.json, common.rounded(data))
+    harness.write_json(args.json, harness.rounded(data))
     rows = [(name, r["gpu_step_s"] * 1e3, r["wall_step_s"] * 1e3, r["gpu_step_eager_s"] * 1e3,
              r["wall_step_eager_s"] * 1e3, r["floor_s"] * 1e3, r["blocking_syncs_per_step"])
             for name, r in results["decode"].items()]  # fmt: skip
     headers = ["decode", "gpu ms", "wall ms", "eager gpu ms", "eager wall ms", "floor ms", "syncs"]
-    print(common.format_table(headers, rows))
-    print(common.format_table(["capture", "value"], list(results["capture"].items())))
-    print(common.format_table(["ratio", "value"], list(ratios.items())))
+    print(harness.format_table(headers, rows))
+    print(harness.format_table(["capture", "value"], list(results["capture"].items())))
+    print(harness.format_table(["ratio", "value"], list(ratios.items())))
     return 0
 
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import _common as common
+import harness
 
 TENANTS = ("acme", "globex", "initech")
 WORDS = (  # noqa: SIM905 (a word list reads better as prose)
@@ -199,9 +199,9 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     engine_args = ["--model", str(model_dir), "--max-num-seqs", str(clients)]
     tally = Tally()
     with (
-        common.KvdProcess(workdir, daemon_args) as kvd,
-        common.EngineProcess(workdir, kvd.address, engine_args) as engine,
-        common.GatewayProcess(workdir, engine.address, ["--api-keys", str(keys_file)]) as gateway,
+        harness.KvdProcess(workdir, daemon_args) as kvd,
+        harness.EngineProcess(workdir, kvd.address, engine_args) as engine,
+        harness.GatewayProcess(workdir, engine.address, ["--api-keys", str(keys_file)]) as gateway,
     ):
         for tenant, key in keys.items():
             with GatewayClient(gateway.address, api_key=key, timeout_s=300) as client:
@@ -215,7 +215,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         start = time.perf_counter()
         for thread in threads:
             thread.start()
-        progress = common.Progress(f"load: {clients} clients for {duration:.0f}s", int(duration))
+        progress = harness.Progress(f"load: {clients} clients for {duration:.0f}s", int(duration))
         rss_warm = None
         series = [memory_sample(pids, kvd.address, 0.0)]
         while (elapsed := time.perf_counter() - start) < duration:
@@ -242,8 +242,8 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "errors_by_status": errors,
         "unexpected_errors": sum(n for code, n in errors.items() if code not in EXPECTED),
         "behaviours": dict(tally.behaviours),
-        "ttft_p50_s": common.percentile(tally.ttfts, 50) if tally.ttfts else None,
-        "ttft_p99_s": common.percentile(tally.ttfts, 99) if tally.ttfts else None,
+        "ttft_p50_s": harness.percentile(tally.ttfts, 50) if tally.ttfts else None,
+        "ttft_p99_s": harness.percentile(tally.ttfts, 99) if tally.ttfts else None,
         "output_tokens_per_s": tally.output_tokens / wall,
         "blocks_held_after": held,
         "memory_warm_mb": rss_warm,
@@ -258,12 +258,12 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     return {
         "benchmark": "load",
         "quick": bool(args.quick),
-        "machine": common.machine_info(),
+        "machine": harness.machine_info(),
         "workload": {
             "duration_s": duration, "clients": clients, "tenants": list(TENANTS), "templated_share": 0.5,
             "cancelled_share": 0.10, "expiring_deadline_share": 0.05, "dropped_share": 0.05,
             "max_new_tokens": args.max_new_tokens, "warmup_s": warmup, "seed": args.seed, "model": model_dir.name,
-            "source": common.source_digest(("kvd/**/*.py", "inference/**/*.py", "gateway/**/*.py")),
+            "source": harness.source_digest(("kvd/**/*.py", "inference/**/*.py", "gateway/**/*.py")),
         },
         "results": {"soak": soak},
         "ratios": {},
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         with tempfile.TemporaryDirectory(prefix="kvd-load-", dir="/tmp") as workdir:
             data = run(args, Path(workdir))
-    common.write_json(args.json, data)
+    harness.write_json(args.json, data)
     soak = data["results"]["soak"]
     rows = [
         ["requests OK", soak["requests_ok"]],
@@ -286,11 +286,11 @@ def main(argv: list[str] | None = None) -> int:
         ["TTFT p50 / p99 (s)", f"{soak['ttft_p50_s']} / {soak['ttft_p99_s']}"],
         ["output tokens/s", soak["output_tokens_per_s"]],
         ["blocks held after", json.dumps(soak["blocks_held_after"])],
-        ["RSS growth after warm-up", json.dumps(common.rounded(soak["rss_growth_ratio"], 3))],
-        ["USS growth after warm-up", json.dumps(common.rounded(soak["uss_growth_ratio"], 3))],
-        ["RSS without the KV cache", json.dumps(common.rounded(soak["rss_without_cache_growth_ratio"], 3))],
+        ["RSS growth after warm-up", json.dumps(harness.rounded(soak["rss_growth_ratio"], 3))],
+        ["USS growth after warm-up", json.dumps(harness.rounded(soak["uss_growth_ratio"], 3))],
+        ["RSS without the KV cache", json.dumps(harness.rounded(soak["rss_without_cache_growth_ratio"], 3))],
     ]
-    print(common.format_table(["soak", "value"], rows))
+    print(harness.format_table(["soak", "value"], rows))
     held = soak["blocks_held_after"]
     leaked = held["device"] or held["device_copying"] or held["host_being_read"] or held["requests"]
     return 1 if soak["unexpected_errors"] or leaked else 0

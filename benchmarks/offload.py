@@ -1,7 +1,7 @@
 """Host-tier offload benchmark: long-document QA whose documents outgrow the device pool.
 
 SmolLM2-135M-Instruct, float32, on the CPU; each daemon's cache in shared
-memory (/dev/shm). The workload (seeded English-like prose, e2e.py's
+memory (/dev/shm). The workload (seeded English-like prose, harness.text's
 generator): N distinct documents of D tokens each, and two rounds of one
 question per document. Round 1 asks a question about every document (it warms
 the cache); round 2 asks a different question about every document, in the
@@ -48,9 +48,10 @@ from typing import Any
 # workers cost several times per step when processes share two cores.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import _common as common  # noqa: E402
-import e2e  # noqa: E402  (its text generator and streaming client)
 import grpc  # noqa: E402
+import harness  # noqa: E402
+from harness.streams import Stream, stream  # noqa: E402
+from harness.text import english_like, exact_tokens  # noqa: E402
 
 from inference import model_store  # noqa: E402
 from kvd.client import DaemonClient  # noqa: E402
@@ -92,14 +93,14 @@ def build_workload(tokenizer, sizes: dict[str, int], seed: int) -> dict[str, Any
         rng = random.Random(f"{rng_seed}/doc/{k}")
         topic = _TOPICS[k % len(_TOPICS)]
         head = f"Document {k + 1} of {sizes['documents']}: a report on {topic}.\n\n"
-        doc = e2e.exact_tokens(tokenizer, head + e2e.english_like(rng, 12), sizes["document_tokens"], rng)
+        doc = exact_tokens(tokenizer, head + english_like(rng, 12), sizes["document_tokens"], rng)
         documents.append(doc)
         for r in (0, 1):
             q_rng = random.Random(f"{rng_seed}/question/{r}/{k}")
-            sentence = e2e.english_like(q_rng, 1).strip().rstrip(".")
+            sentence = english_like(q_rng, 1).strip().rstrip(".")
             text = f"\n\nQuestion {r + 1} about document {k + 1}: according to the report, why did {sentence}?"
             head_ids = tokenizer.encode(text, add_special_tokens=False)
-            body = e2e.exact_tokens(tokenizer, "", sizes["question_tokens"] - len(tail), q_rng, head_ids)
+            body = exact_tokens(tokenizer, "", sizes["question_tokens"] - len(tail), q_rng, head_ids)
             rounds[r].append(doc + body + tail)
     prompts = rounds[0] + rounds[1]
     distinct_starts = len({tuple(d[:BLOCK_SIZE]) for d in documents})
@@ -129,8 +130,8 @@ class Variant:
         if name == "host_tier":
             daemon_flags += ["--host-num-blocks", str(host_blocks)]
         folder.mkdir(parents=True, exist_ok=True)
-        self.daemon = common.KvdProcess(folder, daemon_flags, name="kvd")
-        self.engine = common.EngineProcess(folder, self.daemon.address, engine_flags, name="engine")
+        self.daemon = harness.KvdProcess(folder, daemon_flags, name="kvd")
+        self.engine = harness.EngineProcess(folder, self.daemon.address, engine_flags, name="engine")
         self.channel: grpc.Channel | None = None
         self.stub = None
         self.client: DaemonClient | None = None
@@ -165,11 +166,11 @@ class Variant:
 def run_round(v: Variant, prompts: list[list[int]], new_tokens: int, concurrency: int, label: str) -> dict[str, Any]:
     """``prompts`` in order through ``concurrency`` client threads; per request:
     TTFT from its own submission, usage, tokens."""
-    progress = common.Progress(label, len(prompts))
+    progress = harness.Progress(label, len(prompts))
 
-    def one(prompt: list[int]) -> tuple[float, e2e.Stream]:
+    def one(prompt: list[int]) -> tuple[float, Stream]:
         submitted = time.perf_counter()
-        s = e2e.stream(v.stub, prompt, new_tokens)
+        s = stream(v.stub, prompt, new_tokens)
         progress.advance()
         return submitted, s
 
@@ -200,13 +201,13 @@ def summarize(v: Variant) -> dict[str, Any]:
 
     out = {
         "total_s": r2["wall_s"],
-        "ttft_round2_mean_s": common.mean(r2["ttft_s"]),
+        "ttft_round2_mean_s": harness.mean(r2["ttft_s"]),
         "cached_token_ratio": sum(r2["cached_tokens"]) / sum(r2["prompt_tokens"]),
         "round1_s": r1["wall_s"],
         "total_both_rounds_s": r1["wall_s"] + r2["wall_s"],
-        "ttft_round1_mean_s": common.mean(r1["ttft_s"]),
-        "ttft_round2_p90_s": common.percentile(r2["ttft_s"], 90),
-        "server_ttft_round2_mean_s": common.mean(r2["server_ttft_s"]),
+        "ttft_round1_mean_s": harness.mean(r1["ttft_s"]),
+        "ttft_round2_p90_s": harness.percentile(r2["ttft_s"], 90),
+        "server_ttft_round2_mean_s": harness.mean(r2["server_ttft_s"]),
         "cached_token_ratio_round1": sum(r1["cached_tokens"]) / sum(r1["prompt_tokens"]),
         "cached_token_ratio_both_rounds": (sum(r1["cached_tokens"]) + sum(r2["cached_tokens"]))
         / (sum(r1["prompt_tokens"]) + sum(r2["prompt_tokens"])),
@@ -232,8 +233,8 @@ def summarize(v: Variant) -> dict[str, Any]:
             copying_blocks_after_round1=after1["num_copying_blocks"],
         )
         gb = 1e9
-        out["copy_to_host_gb_per_s"] = common.ratio(out["bytes_to_host"] / gb, out["copy_to_host_s"])
-        out["copy_from_host_gb_per_s"] = common.ratio(out["bytes_from_host"] / gb, out["copy_from_host_s"])
+        out["copy_to_host_gb_per_s"] = harness.ratio(out["bytes_to_host"] / gb, out["copy_to_host_s"])
+        out["copy_from_host_gb_per_s"] = harness.ratio(out["bytes_from_host"] / gb, out["copy_from_host_s"])
     out["per_request"] = {
         "ttft_round2_s": r2["ttft_s"],
         "cached_tokens_round2": r2["cached_tokens"],
@@ -300,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, v in variants.items():
             try:
                 v.start()
-                s = e2e.stream(v.stub, warmup, 4)
+                s = stream(v.stub, warmup, 4)
                 if s.error:
                     raise RuntimeError(f"warm-up request failed: {s.error}")
                 v.stats.append(v.daemon_stats())
@@ -315,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
                     }
                 )
             except Exception as exc:
-                common.log(f"{name} FAILED to start:\n{traceback.format_exc()}")
+                harness.log(f"{name} FAILED to start:\n{traceback.format_exc()}")
                 v.error = f"{type(exc).__name__}: {exc}\n{v.logs()}"
         for r in (0, 1):
             order = VARIANTS if r == 0 else tuple(reversed(VARIANTS))
@@ -329,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
                         time.sleep(0.5)  # lets the last outgoing copies finish before the stats
                     v.stats.append(v.daemon_stats())
                 except Exception as exc:
-                    common.log(f"{name} round {r + 1} FAILED:\n{traceback.format_exc()}")
+                    harness.log(f"{name} round {r + 1} FAILED:\n{traceback.format_exc()}")
                     v.error = f"{type(exc).__name__}: {exc}\n{v.logs()}"
     finally:
         for v in variants.values():
@@ -349,15 +350,15 @@ def main(argv: list[str] | None = None) -> int:
         return results[name].get(key)
 
     ratios = {
-        "host_over_device_only": common.ratio(get("host_tier", "total_s"), get("device_only", "total_s")),
-        "host_over_device_only_both_rounds": common.ratio(
+        "host_over_device_only": harness.ratio(get("host_tier", "total_s"), get("device_only", "total_s")),
+        "host_over_device_only_both_rounds": harness.ratio(
             get("host_tier", "total_both_rounds_s"), get("device_only", "total_both_rounds_s")
         ),
-        "host_over_device_only_ttft_round2": common.ratio(
+        "host_over_device_only_ttft_round2": harness.ratio(
             get("host_tier", "ttft_round2_mean_s"), get("device_only", "ttft_round2_mean_s")
         ),
-        "device_only_over_no_cache": common.ratio(get("device_only", "total_s"), get("no_cache", "total_s")),
-        "host_over_no_cache": common.ratio(get("host_tier", "total_s"), get("no_cache", "total_s")),
+        "device_only_over_no_cache": harness.ratio(get("device_only", "total_s"), get("no_cache", "total_s")),
+        "host_over_no_cache": harness.ratio(get("host_tier", "total_s"), get("no_cache", "total_s")),
     }
     value = ratios["host_over_device_only"]
     target = {"target": "<= 0.35", "value": value, "met": None if value is None else value <= 0.35}
@@ -365,9 +366,15 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "benchmark": "offload",
         "quick": args.quick,
-        "machine": {**common.machine_info(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")},
-        "code": common.source_digest(
-            ("kvd/**/*.py", "inference/**/*.py", "protos/**/*.proto", "benchmarks/offload.py")
+        "machine": {**harness.machine_info(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")},
+        "code": harness.source_digest(
+            (
+                "kvd/**/*.py",
+                "inference/**/*.py",
+                "protos/**/*.proto",
+                "benchmarks/offload.py",
+                "benchmarks/harness/*.py",
+            )
         ),
         "workload": {
             **sizes,
@@ -381,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
             "prompt_tokens": prompt_len,
             "cacheable_tokens_per_prompt": doc_blocks * BLOCK_SIZE,
             "text": "per document: 'Document k of N: a report on TOPIC.' + seeded English-like prose "
-            "(e2e.english_like), cut to document_tokens; per round and document a distinct seeded question, "
+            "(harness.text.english_like), cut to document_tokens; per round and document a distinct seeded question, "
             "padded/cut to question_tokens (ending 'Answer:')",
             "prompt_format": "token ids, no chat template: document, then 'Question R about document k: ...'",
             "rounds": "2: round 1 (one question per document) warms, round 2 (another question per document, "
@@ -412,14 +419,14 @@ def main(argv: list[str] | None = None) -> int:
             else "quick: 6 x 128-token documents",
             "engines": launched,
         },
-        "results": common.rounded(results),
+        "results": harness.rounded(results),
         "outputs_identical": outputs["outputs_identical"],
         "outputs": outputs,
-        "ratios": common.rounded(ratios),
-        "targets": {"host_over_device_only": common.rounded(target)},
+        "ratios": harness.rounded(ratios),
+        "targets": {"host_over_device_only": harness.rounded(target)},
         "total_s": round(time.perf_counter() - started, 1),
     }
-    common.write_json(args.json, report)
+    harness.write_json(args.json, report)
     print_report(results, ratios, outputs, target)
     if args.plot:
         shown = [v for v in VARIANTS if not results[v].get("error")]
@@ -427,9 +434,11 @@ def main(argv: list[str] | None = None) -> int:
             "round 2 total s": [results[v]["total_s"] for v in shown],
             "round 2 mean TTFT s": [results[v]["ttft_round2_mean_s"] for v in shown],
         }
-        if common.bar_chart(args.plot, shown, series, "seconds", f"offload: {n} docs x {sizes['document_tokens']} tok"):
-            common.log(f"plot written to {args.plot}")
-    common.log(f"results written to {args.json} in {report['total_s']}s")
+        if harness.bar_chart(
+            args.plot, shown, series, "seconds", f"offload: {n} docs x {sizes['document_tokens']} tok"
+        ):
+            harness.log(f"plot written to {args.plot}")
+    harness.log(f"results written to {args.json} in {report['total_s']}s")
     failed = [v for v in VARIANTS if results[v].get("error")]
     return 1 if failed else 0
 
@@ -454,11 +463,11 @@ def print_report(results: dict[str, Any], ratios: dict[str, Any], outputs: dict[
             ]
         )
     headers = ["variant", "round 1 s", "round 2 s", "TTFT r2 mean s", "cached r2", "host hit tok", "evictions", ""]
-    print(common.format_table(headers, rows))
+    print(harness.format_table(headers, rows))
     print()
     verdict = {True: "met", False: "NOT met", None: "-"}[target["met"]]
     rows = [[k, v, f"target <= 0.35: {verdict}" if k == "host_over_device_only" else ""] for k, v in ratios.items()]
-    print(common.format_table(["ratio", "value", ""], rows))
+    print(harness.format_table(["ratio", "value", ""], rows))
     print(f"greedy outputs identical across variants: {outputs['outputs_identical']}")
     ht = results.get("host_tier", {})
     if not ht.get("error") and "bytes_to_host" in ht:

@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import _common as common
+import harness
 
 from gateway.client import GatewayClient
 
@@ -153,12 +153,12 @@ def main() -> int:
         "request_path_files": len(on_path),
         "request_path": on_path,
     }
-    common.write_json(
+    harness.write_json(
         args.json,
         {
             "benchmark": "request_path",
             "quick": False,
-            "machine": common.machine_info(),
+            "machine": harness.machine_info(),
             "workload": {"request": "one Generate through kvd-serve, 4 new tokens, after two warm-ups"},
             "results": results,
             "ratios": {},

@@ -26,7 +26,7 @@ import sys
 import time
 from typing import Any
 
-import _common as common
+import harness
 
 from gateway.router import Load, RouteKey, Router, RouterConfig
 
@@ -58,8 +58,8 @@ def timed(router: Router, key: RouteKey, rounds: int) -> dict[str, float]:
         router.choose(key)
         cpu.append((time.thread_time_ns() - started_cpu) / 1000.0)
         wall.append((time.perf_counter_ns() - started) / 1000.0)
-    return {"p50_us": common.percentile(wall, 50), "p99_us": common.percentile(wall, 99),
-            "cpu_p50_us": common.percentile(cpu, 50), "cpu_p99_us": common.percentile(cpu, 99)}  # fmt: skip
+    return {"p50_us": harness.percentile(wall, 50), "p99_us": harness.percentile(wall, 99),
+            "cpu_p50_us": harness.percentile(cpu, 50), "cpu_p99_us": harness.percentile(cpu, 99)}  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -121,18 +121,18 @@ def main(argv: list[str] | None = None) -> int:
     results = run(args)
     rows = [[case, r["p50_us"], r["p99_us"], r["cpu_p50_us"], r["cpu_p99_us"]]
             for case, r in results.items() if case != "index"]  # fmt: skip
-    print(common.format_table(["case", "p50 us", "p99 us", "cpu p50 us", "cpu p99 us"], rows))
+    print(harness.format_table(["case", "p50 us", "p99 us", "cpu p50 us", "cpu p99 us"], rows))
     print(f"index: {results['index']['bytes_per_entry']:.0f} bytes per entry, "
           f"{results['index']['bytes_per_known_block']:.1f} per known (replica, block)")  # fmt: skip
-    common.write_json(args.json, {
+    harness.write_json(args.json, {
         "benchmark": "router_scale",
         "quick": args.quick,
-        "machine": common.machine_info(),
-        "source": common.source_digest(common.ROUTER_SOURCES),
+        "machine": harness.machine_info(),
+        "source": harness.source_digest(harness.ROUTER_SOURCES),
         "workload": {k: getattr(args, k) for k in ("replicas", "blocks_per_replica", "holders", "prompt_tokens",
                                                     "rounds", "seed")} | {"block_size": BLOCK},
-        "results": common.rounded(results),
-        "ratios": {"choose_cpu_p99_over_target": common.ratio(max(r["cpu_p99_us"] for c, r in results.items()
+        "results": harness.rounded(results),
+        "ratios": {"choose_cpu_p99_over_target": harness.ratio(max(r["cpu_p99_us"] for c, r in results.items()
                                                                   if c != "index"), 200.0)},
     })  # fmt: skip
     return 0

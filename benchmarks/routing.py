@@ -41,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import _common as common
+import harness
 
 BLOCK = 16
 WORDS = (  # noqa: SIM905 (a word list reads better as prose)
@@ -98,7 +98,7 @@ def run_variant(folder: Path, engines, gateway_args, templates, requests, args) 
 
     folder.mkdir()
     with (
-        common.GatewayProcess(folder, ",".join(engines), gateway_args) as gateway,
+        harness.GatewayProcess(folder, ",".join(engines), gateway_args) as gateway,
         GatewayClient(gateway.address, timeout_s=600) as client,
         ThreadPoolExecutor(args.concurrency) as pool,
     ):
@@ -108,7 +108,7 @@ def run_variant(folder: Path, engines, gateway_args, templates, requests, args) 
         for i, text in enumerate(templates):
             client.create_template(f"tpl-{i}", text)
         placed = {r.address: r.templates for r in client.info().replicas}
-        progress = common.Progress(f"routing: {folder.name}", len(requests))
+        progress = harness.Progress(f"routing: {folder.name}", len(requests))
 
         def send(item: tuple[int, str]):
             out = one_request(client, f"tpl-{item[0]}", item[1], args.max_new_tokens)
@@ -125,8 +125,8 @@ def run_variant(folder: Path, engines, gateway_args, templates, requests, args) 
     return {
         "requests": len(rows),
         "cached_token_ratio": sum(r[1] for r in rows) / prompt_tokens,
-        "ttft_mean_s": common.mean([r[2] for r in rows]),
-        "ttft_p90_s": common.percentile([r[2] for r in rows], 90),
+        "ttft_mean_s": harness.mean([r[2] for r in rows]),
+        "ttft_p90_s": harness.percentile([r[2] for r in rows], 90),
         "wall_s": wall_s,
         "templates_pinned_by_replica": list(placed.values()),
     }
@@ -185,19 +185,19 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     choices = zipf_choices(rng, args.templates, args.zipf_s, n)
     requests = [(t, f" Request {j}: " + words(rng, tokenizer, args.prompt_tokens)) for j, t in enumerate(choices)]
 
-    def daemon(name: str, blocks: int) -> common.KvdProcess:
+    def daemon(name: str, blocks: int) -> harness.KvdProcess:
         flags = ["--block-size", str(BLOCK), "--num-blocks", str(blocks), "--metrics-port", "0",
                  "--max-pinned-fraction", str(pin_fraction)]  # fmt: skip
-        return common.KvdProcess(workdir, flags, name=name)
+        return harness.KvdProcess(workdir, flags, name=name)
 
     engine_args = ["--model", str(model_dir)]
     with (
         daemon("kvd-a", per_replica) as kvd_a,
         daemon("kvd-b", per_replica) as kvd_b,
         daemon("kvd-single", 2 * per_replica) as kvd_s,
-        common.EngineProcess(workdir, kvd_a.address, engine_args, name="engine-a") as engine_a,
-        common.EngineProcess(workdir, kvd_b.address, engine_args, name="engine-b") as engine_b,
-        common.EngineProcess(workdir, kvd_s.address, engine_args, name="engine-single") as engine_s,
+        harness.EngineProcess(workdir, kvd_a.address, engine_args, name="engine-a") as engine_a,
+        harness.EngineProcess(workdir, kvd_b.address, engine_args, name="engine-b") as engine_b,
+        harness.EngineProcess(workdir, kvd_s.address, engine_args, name="engine-single") as engine_s,
     ):
         pair = [engine_a.address, engine_b.address]
         variants = [
@@ -251,19 +251,19 @@ def main(argv: list[str] | None = None) -> int:
         out = run(args, Path(tmp))
     results = out["results"]
     ratios = {
-        "affinity_over_single_hit": common.ratio(
+        "affinity_over_single_hit": harness.ratio(
             results["affinity"]["cached_token_ratio"], results["single"]["cached_token_ratio"]
         ),
-        "affinity_over_round_robin_ttft": common.ratio(
+        "affinity_over_round_robin_ttft": harness.ratio(
             results["affinity"]["ttft_mean_s"], results["round_robin"]["ttft_mean_s"]
         ),
-        "cost_over_single_hit": common.ratio(
+        "cost_over_single_hit": harness.ratio(
             results["cost"]["cached_token_ratio"], results["single"]["cached_token_ratio"]
         ),
-        "cost_over_round_robin_ttft": common.ratio(
+        "cost_over_round_robin_ttft": harness.ratio(
             results["cost"]["ttft_mean_s"], results["round_robin"]["ttft_mean_s"]
         ),
-        "round_robin_over_single_hit": common.ratio(
+        "round_robin_over_single_hit": harness.ratio(
             results["round_robin"]["cached_token_ratio"], results["single"]["cached_token_ratio"]
         ),
     }
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         for v, r in results.items()
         if v != "routing_overhead"
     ]
-    print(common.format_table(["variant", "requests", "cached", "ttft mean s", "ttft p90 s", "wall s"], rows))
+    print(harness.format_table(["variant", "requests", "cached", "ttft mean s", "ttft p90 s", "wall s"], rows))
     for policy in ("affinity", "cost"):
         hit, ttft = ratios[f"{policy}_over_single_hit"], ratios[f"{policy}_over_round_robin_ttft"]
         print(
@@ -282,16 +282,16 @@ def main(argv: list[str] | None = None) -> int:
     overhead = results["routing_overhead"]
     print(f"routing overhead on a plain-text prompt in the gateway: tokenize {overhead['tokenize_ms']:.2f}"
           f" ms, hash {overhead['hash_blocks_ms']:.3f} ms")  # fmt: skip
-    common.write_json(
+    harness.write_json(
         args.json,
         {
             "benchmark": "routing",
             "quick": args.quick,
-            "machine": common.machine_info(),
-            "source": common.source_digest(("kvd/**/*.py", "inference/**/*.py", "gateway/**/*.py")),
+            "machine": harness.machine_info(),
+            "source": harness.source_digest(("kvd/**/*.py", "inference/**/*.py", "gateway/**/*.py")),
             "workload": out["workload"],
-            "results": common.rounded(results),
-            "ratios": common.rounded(ratios),
+            "results": harness.rounded(results),
+            "ratios": harness.rounded(ratios),
         },
     )
     return 0

@@ -60,12 +60,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import _common as common
+import harness
 
 from gateway.router import Load, RouteKey, Router, RouterConfig, rendezvous
 
 POLICIES = ("round-robin", "affinity", "cost", "oracle")
-SOURCES = (*common.ROUTER_SOURCES, "benchmarks/routing_sim.py")
+SOURCES = (*harness.ROUTER_SOURCES, "benchmarks/routing_sim.py")
 
 
 # ------------------------------------------------------------------ workload
@@ -483,10 +483,10 @@ class Simulation:
         return {
             "requests": len(counted),
             "hit_rate": sum(r.hit_tokens for r in counted) / prompt if prompt else math.nan,
-            "ttft_mean_s": common.mean(ttft),
-            "ttft_p50_s": common.percentile(ttft, 50),
-            "ttft_p90_s": common.percentile(ttft, 90),
-            "utilisation_mean": common.mean(utilisation),
+            "ttft_mean_s": harness.mean(ttft),
+            "ttft_p50_s": harness.percentile(ttft, 50),
+            "ttft_p90_s": harness.percentile(ttft, 90),
+            "utilisation_mean": harness.mean(utilisation),
             "utilisation_min": min(utilisation),
             "utilisation_max": max(utilisation),
             "utilisation": [round(u, 3) for u in utilisation],
@@ -571,7 +571,7 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
             stats = sim.stats(args.warmup)
             stats["wall_s"] = time.perf_counter() - started
             results[cell][policy] = stats
-        common.log(f"[{i + 1}/{len(cells)}] {cell}: " + ", ".join(
+        harness.log(f"[{i + 1}/{len(cells)}] {cell}: " + ", ".join(
             f"{p} hit {s['hit_rate']:.3f} ttft {s['ttft_mean_s']:.2f}s" for p, s in results[cell].items()))  # fmt: skip
     return results
 
@@ -585,14 +585,14 @@ def ratios(results: dict[str, Any]) -> dict[str, Any]:
             continue
         r: dict[str, Any] = {}
         if "oracle" in by_policy:
-            r["cost_over_oracle_ttft_mean"] = common.ratio(cost["ttft_mean_s"], by_policy["oracle"]["ttft_mean_s"])
-            r["cost_over_oracle_ttft_p90"] = common.ratio(cost["ttft_p90_s"], by_policy["oracle"]["ttft_p90_s"])
-        r["cost_over_best_hit_rate"] = common.ratio(cost["hit_rate"], max(s["hit_rate"] for s in by_policy.values()))
+            r["cost_over_oracle_ttft_mean"] = harness.ratio(cost["ttft_mean_s"], by_policy["oracle"]["ttft_mean_s"])
+            r["cost_over_oracle_ttft_p90"] = harness.ratio(cost["ttft_p90_s"], by_policy["oracle"]["ttft_p90_s"])
+        r["cost_over_best_hit_rate"] = harness.ratio(cost["hit_rate"], max(s["hit_rate"] for s in by_policy.values()))
         if "round-robin" in by_policy:
             rr = by_policy["round-robin"]["ttft_mean_s"]
-            r["cost_over_round_robin_ttft_mean"] = common.ratio(cost["ttft_mean_s"], rr)
+            r["cost_over_round_robin_ttft_mean"] = harness.ratio(cost["ttft_mean_s"], rr)
             if "oracle" in by_policy:  # whether 0.5x round-robin is within even the oracle's reach
-                r["oracle_over_round_robin_ttft_mean"] = common.ratio(by_policy["oracle"]["ttft_mean_s"], rr)
+                r["oracle_over_round_robin_ttft_mean"] = harness.ratio(by_policy["oracle"]["ttft_mean_s"], rr)
         out[cell] = r
     cells = list(out.values())
     worst = {
@@ -628,7 +628,7 @@ def write_trace(args: argparse.Namespace) -> None:
             t += rows[-1]["output_length"] / args.decode_tokens_per_s + think
     rows.sort(key=lambda row: row["timestamp"])
     Path(args.write_trace).write_text("".join(json.dumps(row) + "\n" for row in rows))
-    common.log(f"wrote {len(rows)} requests to {args.write_trace}")
+    harness.log(f"wrote {len(rows)} requests to {args.write_trace}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -644,11 +644,11 @@ def main(argv: list[str] | None = None) -> int:
         for cell, by_policy in results.items() for policy, s in by_policy.items()
     ]  # fmt: skip
     headers = ["cell", "policy", "requests", "hit", "ttft mean s", "p50 s", "p90 s", "util min", "util max"]
-    print(common.format_table(headers, rows))
+    print(harness.format_table(headers, rows))
     keys = ("cost_over_oracle_ttft_mean", "cost_over_oracle_ttft_p90", "cost_over_best_hit_rate",
             "cost_over_round_robin_ttft_mean", "oracle_over_round_robin_ttft_mean")  # fmt: skip
     by_cell = [[cell, *(r.get(k) for k in keys)] for cell, r in cell_ratios.items() if isinstance(r, dict)]
-    print(common.format_table(["cell", "cost/oracle mean", "p90", "hit/best", "cost/rr", "oracle/rr"], by_cell))
+    print(harness.format_table(["cell", "cost/oracle mean", "p90", "hit/best", "cost/rr", "oracle/rr"], by_cell))
     workload = {
         k: getattr(args, k)
         for k in ("replicas", "loads", "workloads", "policies", "duration_s", "warmup", "block_tokens", "cache_blocks",
@@ -656,16 +656,16 @@ def main(argv: list[str] | None = None) -> int:
                   "event_delay_s", "tenants_per_replica", "work_weight", "seed")
     }  # fmt: skip
     workload["shape"] = dataclasses.asdict(Shape(args.block_tokens))
-    common.write_json(
+    harness.write_json(
         args.json,
         {
             "benchmark": "routing_sim",
             "quick": args.quick,
-            "machine": common.machine_info(),
-            "source": common.source_digest(SOURCES),
+            "machine": harness.machine_info(),
+            "source": harness.source_digest(SOURCES),
             "workload": workload,
-            "results": common.rounded(results),
-            "ratios": common.rounded(cell_ratios),
+            "results": harness.rounded(results),
+            "ratios": harness.rounded(cell_ratios),
         },
     )
     return 0

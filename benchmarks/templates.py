@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import _common as common
+import harness
 
 VARIANTS = ("template", "no_cache", "auto_prefix")
 WORDS = (  # noqa: SIM905 (a word list reads better as prose)
@@ -113,9 +113,9 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     wall: dict[str, float] = dict.fromkeys(VARIANTS, 0.0)
     blocks = max(1024, 4 * args.concurrency * (template_len + prompt_len) // 16)
     with (
-        common.KvdProcess(workdir, ["--block-size", "16", "--num-blocks", str(blocks), "--metrics-port", "0"]) as kvd,
-        common.EngineProcess(workdir, kvd.address, ["--model", str(model_dir)]) as engine,
-        common.GatewayProcess(workdir, engine.address) as gateway,
+        harness.KvdProcess(workdir, ["--block-size", "16", "--num-blocks", str(blocks), "--metrics-port", "0"]) as kvd,
+        harness.EngineProcess(workdir, kvd.address, ["--model", str(model_dir)]) as engine,
+        harness.GatewayProcess(workdir, engine.address) as gateway,
         GatewayClient(gateway.address, timeout_s=600) as client,
         ThreadPoolExecutor(args.concurrency) as pool,
     ):
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         # Warm-up (not measured): one request of each kind on prompts of their own.
         for variant in VARIANTS:
             one_request(client, variant, "bench", template_text, text_of_tokens(tokenizer, rng, 32))
-        progress = common.Progress("templates: interleaved rounds", n * len(VARIANTS))
+        progress = harness.Progress("templates: interleaved rounds", n * len(VARIANTS))
         for r in range(args.rounds):
             chunk = slice(r * n // args.rounds, (r + 1) * n // args.rounds)
             order = VARIANTS if r % 2 == 0 else tuple(reversed(VARIANTS))
@@ -228,8 +228,8 @@ def summarize(rows: list[tuple[int, int, float]], wall_s: float) -> dict[str, An
         "requests": len(rows),
         "prompt_tokens": prompt_tokens,
         "prompt_tokens_per_s": prompt_tokens / wall_s,
-        "ttft_mean_s": common.mean([r[2] for r in rows]),
-        "ttft_p90_s": common.percentile([r[2] for r in rows], 90),
+        "ttft_mean_s": harness.mean([r[2] for r in rows]),
+        "ttft_p90_s": harness.percentile([r[2] for r in rows], 90),
         "cached_token_ratio": sum(r[1] for r in rows) / prompt_tokens,
         "wall_s": wall_s,
     }
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         for v, r in results.items()
         if v in VARIANTS
     ]
-    print(common.format_table(["variant", "requests", "prompt tok/s", "ttft mean s", "ttft p90 s", "cached"], rows))
+    print(harness.format_table(["variant", "requests", "prompt tok/s", "ttft mean s", "ttft p90 s", "cached"], rows))
     print(
         f"prompt throughput gain with the template: {gain:+.1%} (target +30%; token-count ideal "
         f"{ratios['ideal_gain']:+.1%}; FLOP bound with causal attention {ratios['flop_bound_gain']:+.1%}); "
@@ -269,16 +269,16 @@ def main(argv: list[str] | None = None) -> int:
         f"{overhead['before_path_ms']:.2f} ms on the path before (engine Tokenize alone "
         f"{overhead['engine_tokenize_ms']:.2f} ms)"
     )
-    common.write_json(
+    harness.write_json(
         args.json,
         {
             "benchmark": "templates",
             "quick": args.quick,
-            "machine": common.machine_info(),
-            "source": common.source_digest(("kvd/**/*.py", "inference/**/*.py", "gateway/**/*.py")),
+            "machine": harness.machine_info(),
+            "source": harness.source_digest(("kvd/**/*.py", "inference/**/*.py", "gateway/**/*.py")),
             "workload": out["workload"],
-            "results": common.rounded(results),
-            "ratios": common.rounded(ratios),
+            "results": harness.rounded(results),
+            "ratios": harness.rounded(ratios),
         },
     )
     return 0

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-import _common as common
+import harness
 import torch
 
 from kvd.block import Block
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "benchmark": "tier_bandwidth",
         "quick": False,
-        "machine": {**common.machine_info(), "gpu": torch.cuda.get_device_name()},
+        "machine": {**harness.machine_info(), "gpu": torch.cuda.get_device_name()},
         "workload": {
             "layout": layout.describe(),
             "block_bytes": layout.block_bytes,
@@ -110,20 +110,20 @@ def main(argv: list[str] | None = None) -> int:
             "tier": "TierCopier.copy_out / copy_in, one copy_ per block on the copier's stream, timed to drain()",
             "plain": "one copy_ of the same bytes, contiguous device <-> contiguous pinned host, synchronized",
         },
-        "results": common.rounded(results),
-        "ratios": common.rounded(
+        "results": harness.rounded(results),
+        "ratios": harness.rounded(
             {
                 "to_host_over_plain": results["to_host"]["tier_gb_per_s"] / results["to_host"]["plain_gb_per_s"],
                 "from_host_over_plain": results["from_host"]["tier_gb_per_s"] / results["from_host"]["plain_gb_per_s"],
             }
         ),
     }
-    common.write_json(args.json, report)
+    harness.write_json(args.json, report)
     rows = [
         [d, r["tier_gb_per_s"], r["plain_gb_per_s"], r["tier_gb_per_s"] / r["plain_gb_per_s"]]
         for d, r in results.items()
     ]
-    print(common.format_table(["direction", "tier GB/s", "plain GB/s", "ratio"], rows))
+    print(harness.format_table(["direction", "tier GB/s", "plain GB/s", "ratio"], rows))
     return 0
 
 

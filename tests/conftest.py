@@ -1,4 +1,9 @@
-"""Shared test helpers: real daemon processes on real sockets."""
+"""Shared test helpers: real daemon processes on real sockets.
+
+The commands that start them, the wait for SERVING, free ports and stopping a
+child are the benchmarks' harness (benchmarks/harness/processes.py), so the
+suite and the benchmarks start the stack alike.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +11,7 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -20,6 +23,15 @@ import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from benchmarks.harness.processes import (
+    daemon_command,
+    engine_command,
+    free_port,
+    gateway_command,
+    spawn,
+    stop_process,
+    wait_serving,
+)
 from kvd.client import DaemonClient
 
 
@@ -117,34 +129,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_port_at(port: int) -> bool:
-    """Whether nothing listens on ``port`` of 127.0.0.1 right now."""
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
-def stop_process(process: subprocess.Popen, sig: int, timeout_s: float) -> int:
-    """Signals a child and waits for it; kills it if it does not stop in time."""
-    if process.poll() is None:
-        process.send_signal(sig)
-        try:
-            process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-    return process.returncode
-
-
 @dataclass(kw_only=True)
 class ChildProcess:
     """A subprocess of the suite, its output in ``log_path``."""
@@ -159,11 +143,6 @@ class ChildProcess:
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float | None = None) -> int:
         return stop_process(self.process, sig, self.stop_timeout_s if timeout_s is None else timeout_s)
-
-
-def spawn(cmd: list[str], log_path: Path) -> subprocess.Popen:
-    with open(log_path, "a") as log:
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
 
 def serving_or_killed(child: ChildProcess, what: str, timeout_s: float) -> None:
@@ -186,23 +165,6 @@ class DaemonProcess(ChildProcess):
 
     def client(self) -> DaemonClient:
         return DaemonClient.connect(self.address)
-
-
-def wait_serving(address: str, timeout_s: float = 20.0, process: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if process is not None and process.poll() is not None:
-                raise RuntimeError(f"process exited with {process.returncode} before serving")
-            try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.05)
-    raise TimeoutError(f"{address} not serving after {timeout_s}s")
 
 
 def wait_for(condition, timeout_s: float = 15.0, interval_s: float = 0.05) -> bool:
@@ -233,18 +195,7 @@ def start_daemon(args: list[str], workdir: str) -> DaemonProcess:
     os.makedirs(shm_dir, exist_ok=True)
     metrics_port = free_port()
     log_path = Path(workdir) / "kvd.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvd.cli",
-        "--socket",
-        socket_path,
-        "--shm-dir",
-        shm_dir,
-        "--metrics-port",
-        str(metrics_port),
-        *args,
-    ]
+    cmd = daemon_command(socket_path, shm_dir, ["--metrics-port", str(metrics_port), *args])
     daemon = DaemonProcess(
         process=spawn(cmd, log_path),
         log_path=log_path,
@@ -306,10 +257,8 @@ def start_engine(
 ) -> EngineProcess:
     port = port or free_port()
     log_path = Path(workdir) / f"engine-{port}.log"
-    cmd = [sys.executable, "-m", "inference.cli", "--kvd-address", daemon.address, "--listen", f"127.0.0.1:{port}"]
-    engine = EngineProcess(
-        process=spawn([*cmd, *args], log_path), log_path=log_path, address=f"127.0.0.1:{port}", daemon=daemon
-    )
+    cmd = engine_command(daemon.address, f"127.0.0.1:{port}", args)
+    engine = EngineProcess(process=spawn(cmd, log_path), log_path=log_path, address=f"127.0.0.1:{port}", daemon=daemon)
     if wait:
         serving_or_killed(engine, "engine", 180)
     return engine
@@ -365,8 +314,7 @@ def start_gateway(
     """Starts a gateway and (with ``wait``) waits until it serves: its engine answers."""
     port = port or free_port()
     log_path = Path(workdir) / f"gateway-{port}.log"
-    cmd = [sys.executable, "-m", "gateway.cli", "--listen", f"127.0.0.1:{port}", "--engines", engine_address]
-    cmd += ["--keeper-interval-s", "0.2", *args]
+    cmd = gateway_command(f"127.0.0.1:{port}", engine_address, ["--keeper-interval-s", "0.2", *args])
     gateway = GatewayProcess(process=spawn(cmd, log_path), log_path=log_path, address=f"127.0.0.1:{port}")
     if wait:
         serving_or_killed(gateway, "gateway", 60)

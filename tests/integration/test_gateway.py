@@ -22,13 +22,13 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from benchmarks.harness.processes import free_port_at
 from gateway.client import GatewayClient
 from inference import model_store
 from kvd.client import DaemonClient
 from tests.conftest import (
     blocks_held,
     free_port,
-    free_port_at,
     health_status,
     start_daemon,
     start_engine,
