@@ -3,8 +3,8 @@
 # which has no internet (both folders are git-ignored):
 #   .whl/           wheels of what its image lacks or has in other versions:
 #                   grpcio, grpcio-health-checking, grpcio-reflection and
-#                   protobuf (the generated code's minimum versions) and
-#                   transformers, each the version in .venv (so the baselines
+#                   protobuf (the generated code's minimum versions),
+#                   transformers and xxhash (the disk tier's checksum), each the version in .venv (so the baselines
 #                   run the same code as on the CPU); about 25 MB
 #   .gpu/tokenizer  SmolLM2's tokenizer files (the e2e workload's real text
 #                   tokenizes as on the CPU only with them); about 3.5 MB
@@ -14,7 +14,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 py=.venv/bin/python
 packages=$($py - <<'PY'
 import importlib.metadata as m
-names = ["grpcio", "grpcio-health-checking", "grpcio-reflection", "protobuf", "transformers"]
+names = ["grpcio", "grpcio-health-checking", "grpcio-reflection", "protobuf", "transformers", "xxhash"]
 print(" ".join(f"{n}=={m.version(n)}" for n in names))
 PY
 )
