@@ -41,6 +41,7 @@ class GatewaySettings:
         routing: how requests pick a replica (``gateway.router``).
         health_interval_s: how often each replica's health is checked.
         dns_interval_s: how often ``dns:`` entries are resolved again.
+        http_listen: the OpenAI-compatible HTTP API's ``HOST:PORT``; "": none.
     """
 
     listen: str = "127.0.0.1:50051"
@@ -56,6 +57,7 @@ class GatewaySettings:
     health_interval_s: float = 0.5
     dns_interval_s: float = 5.0
     limits: TenantLimits = field(default_factory=TenantLimits)
+    http_listen: str = ""
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -103,6 +105,7 @@ class GatewayApp:
             thread_name_prefix="gateway-rpc",
         )
         self.port = self._add_port()
+        self.http = self._http_server(service)
 
     def _key_store(self) -> KeyStore | None:
         keys = self.settings.api_keys
@@ -119,6 +122,15 @@ class GatewayApp:
         credentials = grpc.ssl_server_credentials([(s.tls_key.read_bytes(), s.tls_cert.read_bytes())])
         return self.server.add_port(s.listen, credentials)
 
+    def _http_server(self, service: GatewayService):
+        """The HTTP API's listener (bound now: a taken port fails the start), or None."""
+        if not self.settings.http_listen:
+            return None
+        from gateway.http_api.server import HttpServer  # the ASGI stack loads only when it serves
+
+        s = self.settings
+        return HttpServer(service, s.http_listen, s.tls_cert, s.tls_key)
+
     def _engine_health(self, up: bool) -> None:
         self.server.set_serving(up)
 
@@ -126,16 +138,21 @@ class GatewayApp:
         self.server.start()
         self.pool.start()
         self.keeper.start()
+        if self.http is not None:
+            self.http.start()
         s = self.settings
         log.info(
             "gateway serving",
             extra={"listen": s.listen, "engines": s.engines, "redis": redis_conn.describe(self.redis),
-                   "tls": s.tls_cert is not None, "routing": s.routing.policy},
+                   "tls": s.tls_cert is not None, "routing": s.routing.policy,
+                   "http": self.http.address if self.http is not None else ""},
         )  # fmt: skip
         if self.auth.single_user:
             log.warning("single-user mode: no API keys are checked; every call is the tenant 'default'")
 
     def stop(self) -> None:
+        if self.http is not None:
+            self.http.stop()
         self.keeper.stop()
         self.server.stop(grace_s=2)
         self.pool.stop()

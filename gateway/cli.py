@@ -1,4 +1,4 @@
-"""`kvd-gateway`: runs the public gRPC gateway (and manages its API keys).
+"""`kvd-gateway`: runs the public gateway, gRPC and HTTP (and manages its API keys).
 
     kvd-gateway [flags]                       serve
     kvd-gateway add-key --tenant T --scopes generate,templates:write
@@ -39,12 +39,21 @@ REDIS = (
     Setting("--redis-prefix", env="KVD_REDIS_PREFIX", default="kvd:", help="prefix of every Redis key"),
 )
 
+#: The HTTP API's address: the server's and kvd-serve's (which passes it on and prints it).
+HTTP_LISTEN = Setting(
+    "--http-listen",
+    env="KVD_HTTP_LISTEN",
+    default="127.0.0.1:8000",
+    help="the OpenAI-compatible HTTP API's address (docs/gateway.md); empty: no HTTP API",
+)
+
 COMMAND = SettingsCommand(
     "kvd-gateway",
     help="The public gRPC API of kvd: generation and named prefix templates in Redis. "
     "'kvd-gateway add-key --help': the command that makes an API key.",
     params=[
         Setting("--listen", env="KVD_GATEWAY_ADDR", default="127.0.0.1:50051", help="gRPC address"),
+        HTTP_LISTEN,
         Setting(
             "--engines",
             "--engine",
@@ -201,6 +210,7 @@ def config_from(args: SimpleNamespace):
         health_interval_s=args.health_interval_s,
         dns_interval_s=args.dns_interval_s,
         limits=TenantLimits(args.max_concurrent_requests, args.max_templates, args.max_pinned_blocks),
+        http_listen=args.http_listen,
     )
 
 

@@ -61,6 +61,7 @@ log = logging.getLogger("gateway.service")
 
 VERSION = "0.1.0"
 MAX_CACHE_SALT = 256
+MAX_CACHE_KEY = 256
 # A template's warming prefill, for a caller that set no deadline.
 WARM_TIMEOUT_S = 120.0
 
@@ -129,6 +130,8 @@ class GatewayService(pb_grpc.GatewayServicer):
             out.token_ids.ids.extend(ids)
             member = warm_member(tenant, request.template)
             return out, template_tokens, self._route_key(out, member, template_tokens)
+        # A cache key routes as a template would (its rendezvous home), within the tenant.
+        affinity = cache_key_member(tenant, request.cache_key) if request.cache_key else ""
         if not self._by_prefix() or (kind == "text" and not request.text):
             if kind == "text":
                 out.text = request.text
@@ -136,9 +139,9 @@ class GatewayService(pb_grpc.GatewayServicer):
                 out.chat.CopyFrom(request.chat)
             else:
                 out.token_ids.CopyFrom(request.token_ids)
-            return out, 0, RouteKey()
+            return out, 0, RouteKey(template=affinity)
         out.token_ids.ids.extend(own_ids(self.tokenizer, request))
-        return out, 0, self._route_key(out)
+        return out, 0, self._route_key(out, affinity)
 
     def _route_key(self, out: epb.GenerateRequest, template: str = "", template_tokens: int = 0) -> RouteKey:
         """What routes a request whose token ids are known: its blocks' hashes, as its daemon will compute them."""
@@ -378,6 +381,14 @@ def check_generate(request: pb.GenerateRequest) -> None:
         raise ValueError("token_ids.ids is empty")
     if len(request.cache_salt) > MAX_CACHE_SALT:
         raise ValueError(f"cache_salt is {len(request.cache_salt)} bytes; at most {MAX_CACHE_SALT}")
+    if len(request.cache_key) > MAX_CACHE_KEY:
+        raise ValueError(f"cache_key is {len(request.cache_key)} characters; at most {MAX_CACHE_KEY}")
+
+
+def cache_key_member(tenant: str, cache_key: str) -> str:
+    """The router's key for a request's cache key: ':' is in no template name,
+    so it never meets a template's, and the tenant keeps tenants' keys apart."""
+    return f"{tenant}/:key:{cache_key}"
 
 
 def check_create(request: pb.CreateTemplateRequest) -> None:

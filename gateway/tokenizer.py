@@ -44,6 +44,10 @@ class GatewayTokenizer:
         )
         return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text alone (logprobs name their tokens by it)."""
+        return self._loaded().decode([token_id])
+
     def _loaded(self):
         """The tokenizer, fetched on first use.
 

@@ -27,6 +27,7 @@ import click
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.cli import HTTP_LISTEN
 from kvd.cli import SOCKET
 from kvd.settings import Setting, SettingsCommand, parse
 
@@ -49,6 +50,7 @@ COMMAND = SettingsCommand(
             help="engine processes sharing the daemon's cache (SIGHUP replaces them one at a time)",
         ),
         Setting("--gateway", env="KVD_GATEWAY_ADDR", default="127.0.0.1:50051", help="the public gateway's address"),
+        HTTP_LISTEN,  # the gateway's own: kvd-serve passes it on
         SOCKET,  # the daemon's own: kvd-serve hands it to the daemon and the engines
     ],
 )
@@ -76,6 +78,7 @@ class Stack:
             ]  # fmt: skip
         self.commands["gateway"] = [
             python, "-m", "gateway.cli", "--listen", args.gateway, "--engines", ",".join(self.engines),
+            "--http-listen", args.http_listen,
         ]  # fmt: skip
         self.procs: dict[str, subprocess.Popen] = {}
 
@@ -140,8 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGHUP, lambda *_: state.update(replace=True))
     stack.start()
     engines = ", ".join(stack.engines)
+    http = f", http://{args.http_listen}/v1 (OpenAI-compatible HTTP)" if args.http_listen else ""
     print(
-        f"kvd-serve: gateway on {args.gateway} (gRPC, the public API); engines on {engines}; "
+        f"kvd-serve: gateway on {args.gateway} (gRPC, the public API){http}; engines on {engines}; "
         "Ctrl-C stops everything; SIGHUP replaces the engines one at a time",
         flush=True,
     )

@@ -97,8 +97,11 @@ def engine_command(kvd_address: str, listen: str, args: Sequence[str] = ()) -> l
     return [sys.executable, "-m", "inference.cli", "--kvd-address", kvd_address, "--listen", listen, *args]
 
 
-def gateway_command(listen: str, engines: str, args: Sequence[str] = ()) -> list[str]:
-    return [sys.executable, "-m", "gateway.cli", "--listen", listen, "--engines", engines, *args]
+def gateway_command(listen: str, engines: str, args: Sequence[str] = (), http_listen: str = "") -> list[str]:
+    """The gateway's command; its HTTP API off unless ``http_listen`` is given
+    (gateways started side by side would all take its default port)."""
+    http = ["--http-listen", http_listen]
+    return [sys.executable, "-m", "gateway.cli", "--listen", listen, "--engines", engines, *http, *args]
 
 
 def process_cpu_s(pid: int) -> float:
@@ -235,12 +238,15 @@ class GatewayProcess(ChildProcess):
     """A ``kvd-gateway`` subprocess with its own embedded Redis in ``workdir``;
     ``start`` returns once it serves (its engine is attached)."""
 
-    def __init__(self, workdir: str | os.PathLike, engine_address: str, args: Sequence[str] = ()) -> None:
+    def __init__(
+        self, workdir: str | os.PathLike, engine_address: str, args: Sequence[str] = (), http: bool = False
+    ) -> None:
         workdir = Path(workdir)
         self.address = f"127.0.0.1:{free_port()}"
+        self.http_address = f"127.0.0.1:{free_port()}" if http else ""  # its OpenAI-compatible HTTP API
         self.log_path = workdir / "gateway.log"
         self.command = gateway_command(
-            self.address, engine_address, ["--data-dir", str(workdir / "gateway-data"), *args]
+            self.address, engine_address, ["--data-dir", str(workdir / "gateway-data"), *args], self.http_address
         )
 
     def start(self) -> GatewayProcess:

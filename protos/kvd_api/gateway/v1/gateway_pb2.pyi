@@ -11,36 +11,40 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "chat", "token_ids", "template", "sampling", "cache_salt")
+    __slots__ = ("text", "chat", "token_ids", "template", "sampling", "cache_salt", "cache_key")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_KEY_FIELD_NUMBER: _ClassVar[int]
     text: str
     chat: _engine_pb2.ChatPrompt
     token_ids: _engine_pb2.TokenIds
     template: str
     sampling: _engine_pb2.SamplingParams
     cache_salt: bytes
-    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[_engine_pb2.ChatPrompt, _Mapping]] = ..., token_ids: _Optional[_Union[_engine_pb2.TokenIds, _Mapping]] = ..., template: _Optional[str] = ..., sampling: _Optional[_Union[_engine_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
+    cache_key: str
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[_engine_pb2.ChatPrompt, _Mapping]] = ..., token_ids: _Optional[_Union[_engine_pb2.TokenIds, _Mapping]] = ..., template: _Optional[str] = ..., sampling: _Optional[_Union[_engine_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[bytes] = ..., cache_key: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "template_tokens", "cached_prompt_tokens", "completion_tokens", "time_to_first_token_s", "host_cached_prompt_tokens")
+    __slots__ = ("prompt_tokens", "template_tokens", "cached_prompt_tokens", "completion_tokens", "time_to_first_token_s", "host_cached_prompt_tokens", "disk_cached_prompt_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPLATE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
     HOST_CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DISK_CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     template_tokens: int
     cached_prompt_tokens: int
     completion_tokens: int
     time_to_first_token_s: float
     host_cached_prompt_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., template_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ..., host_cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+    disk_cached_prompt_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., template_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ..., host_cached_prompt_tokens: _Optional[int] = ..., disk_cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "usage", "top_logprobs")
