@@ -17,6 +17,7 @@ _is_block = partial(is_not, None)
 #: The tiers a block can be stored in (events name them).
 DEVICE = "device"
 HOST = "host"
+DISK = "disk"
 
 
 class FreeBlockQueue:

@@ -17,9 +17,12 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kvd.block import Block
-from kvd.block_pool import BlockEvent, BlockPool
+from kvd.block_pool import DISK, BlockEvent, BlockPool, BlockRemoved
 from kvd.cache_manager import KVCacheManager
 from kvd.config import DaemonConfig
+from kvd.disk_format import fingerprint
+from kvd.disk_store import DiskStore
+from kvd.disk_tier import DiskTier
 from kvd.errors import PreconditionError
 from kvd.hashing import BlockHasher, encode_extra_keys, pack_tokens
 from kvd.host_tier import HostTier
@@ -52,6 +55,8 @@ class KVCache:
         publish: Callable[[Sequence[BlockEvent]], None],
     ) -> None:
         self.block_size = config.block_size
+        self._config = config
+        self._lock = lock
         self._publish = publish
         layout = CacheLayout(
             model_layout.num_layers, model_layout.num_kv_heads, model_layout.head_dim, config.block_size,
@@ -65,6 +70,7 @@ class KVCache:
         num_host_blocks = config.host_num_blocks or (config.host_memory_budget_bytes // layout.block_bytes)
         self.host: HostTier | None = None
         self.copier: TierCopier | None = None
+        self.disk: DiskTier | None = None  # opened once the model is known (its fingerprint names the folder)
         if num_host_blocks and config.enable_caching:
             self.host = HostTier(num_host_blocks, record=self.pool.record)
             self.copier = TierCopier(self.memory.tensor, num_host_blocks, lock, self._offloaded, self._swapped_in)
@@ -94,6 +100,7 @@ class KVCache:
         if self.model is None:
             self.model = model
             log.info("cache model", extra={"model": model.describe(), "fingerprint": model.fingerprint()})
+            self._open_disk(model)
             return
         differences = self.model.differences(model)
         if differences:
@@ -103,12 +110,37 @@ class KVCache:
                 "hashes; serve it from a daemon of its own"
             )
 
-    # Called by the copier's worker, under the lock.
+    def _open_disk(self, model: ModelIdentity) -> None:
+        """Opens the disk tier under this model's and layout's fingerprint (its
+        index rebuilt from the folder). A folder that cannot be used leaves
+        the daemon serving without it."""
+        config = self._config
+        if not config.disk_path or self.host is None or self.copier is None:
+            return
+        try:
+            store = DiskStore(
+                config.disk_path, fingerprint(model, self.layout), self.layout.block_bytes,
+                config.disk_budget_bytes, remove_others=config.disk_remove_others,
+            )  # fmt: skip
+        except OSError as exc:
+            log.error("disk tier unusable; serving without it", extra={"path": config.disk_path, "error": str(exc)})
+            return
+        self.disk = DiskTier(store, self.host, self.copier.host, self._lock, self._disk_events)
+        self.manager.disk = self.disk
+
+    # Called by the copier's and the disk tier's threads, under the lock.
     def _offloaded(self, offloads: Sequence[Offload]) -> None:
         assert self.host is not None
         for block, slot in offloads:
             self.pool.copy_finished(block)
             self.host.written(slot)
+        if self.disk is not None:
+            self.disk.offer([slot for _, slot in offloads])
+        self._publish(self.pool.take_events())
+
+    def _disk_events(self, events: Sequence[BlockEvent]) -> None:
+        for event in events:
+            self.pool.record(event)
         self._publish(self.pool.take_events())
 
     def _swapped_in(self, swap_ins: Sequence[SwapIn]) -> None:
@@ -117,19 +149,29 @@ class KVCache:
 
     def drain_copies(self, timeout_s: float = 60.0) -> bool:
         """Waits until every tier copy submitted so far finished. Call without the lock."""
-        return self.copier is None or self.copier.drain(timeout_s)
+        # NOTE: host copies first: a finished one may queue disk writes.
+        copies = self.copier is None or self.copier.drain(timeout_s)
+        return copies and (self.disk is None or self.disk.drain(timeout_s))
 
     def block_hashes(self, token_ids: Sequence[int], cache_salt: bytes, extra_keys: Sequence[bytes]) -> list[bytes]:
         hasher = BlockHasher(encode_extra_keys(cache_salt, extra_keys), self.block_size)
         return hasher.advance(pack_tokens(token_ids))  # every id checked, the partial tail's too
 
-    def lookup(self, hashes: Sequence[bytes]) -> tuple[list[bytes], int]:
-        """The leading ``hashes`` cached on the device, and how many blocks after them the host tier holds."""
+    def lookup(self, hashes: Sequence[bytes]) -> tuple[list[bytes], int, int]:
+        """The leading ``hashes`` cached on the device, how many blocks after
+        them the host tier holds, and how many after those the disk holds."""
         on_device = len(self.pool.match_prefix(hashes))
-        return list(hashes[:on_device]), len(self.manager.match_tiers(hashes)) - on_device
+        in_memory = len(self.manager.match_tiers(hashes))
+        on_disk = 0
+        if self.disk is not None:
+            for block_hash in hashes[in_memory:]:
+                if not self.disk.holds(block_hash):
+                    break
+                on_disk += 1
+        return list(hashes[:on_device]), in_memory - on_device, on_disk
 
     def reset(self) -> int:
-        """Empties both tiers; returns the device blocks whose content was dropped.
+        """Empties every tier; returns the device blocks whose content was dropped.
 
         Raises:
             PreconditionError: blocks are in use, or tier copies are in flight.
@@ -142,6 +184,10 @@ class KVCache:
             raise PreconditionError(f"cannot reset the cache: {exc}") from None
         if self.host is not None:
             self.host.clear()
+        if self.disk is not None:
+            removed = self.disk.clear()
+            if removed:
+                self.pool.record(BlockRemoved(tuple(removed), DISK))
         return cleared
 
     def inspect_block(self, block_id: int) -> tuple[Block, bytes]:
@@ -156,6 +202,9 @@ class KVCache:
         if self.copier is not None:
             self.copier.drain(timeout_s=10)
             self.copier.close()
+        if self.disk is not None:
+            self.disk.drain(timeout_s=10)
+            self.disk.close()
 
     def close(self) -> None:
         """Frees the memory (after ``stop_copies``)."""

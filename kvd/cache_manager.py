@@ -7,11 +7,15 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
+from typing import TYPE_CHECKING
 
 from kvd.block import Block
 from kvd.block_pool import BlockPool
 from kvd.hashing import BlockHasher, encode_extra_keys, pack_tokens
 from kvd.host_tier import HostSlot, HostTier
+
+if TYPE_CHECKING:
+    from kvd.disk_tier import DiskTier
 
 
 @dataclass(slots=True, eq=False)
@@ -44,6 +48,7 @@ class Request:
         max_end: no position at or past this is ever scheduled (the prompt,
             plus the sampled tokens but the last, which is never computed).
         last_step: the session step that last scheduled it (-1: none).
+        disk_loads: loads from the disk tier it waited for at admission.
     """
 
     request_id: str
@@ -60,6 +65,7 @@ class Request:
     order: int = 0
     max_end: int = 0
     last_step: int = -1
+    disk_loads: int = 0
 
     def queued(self, arrival: int) -> None:
         """Its session received it ``arrival``-th: its place in the schedule is set."""
@@ -81,6 +87,7 @@ class Admitted:
 
     num_cached_tokens: int  # block-aligned prefix served by the cache (both tiers)
     num_host_cached_tokens: int  # of which copied back from the host tier
+    num_disk_cached_tokens: int  # of those, read back from the disk tier
     first_position: int  # the first token to compute
     num_scheduled_tokens: int  # tokens to compute in this step
     blocks: list[Block]  # the whole block table, hits first
@@ -97,6 +104,11 @@ class Deferred:
 
 DEFERRED = Deferred()
 
+#: Loads from the disk tier a request waits for at admission, at most: a
+#: prompt longer than the host tier could otherwise wait forever, each load
+#: evicting the one before (then it computes what is left).
+MAX_DISK_LOADS = 4
+
 
 class KVCacheManager:
     """Turns request-level questions into block-pool operations.
@@ -112,6 +124,7 @@ class KVCacheManager:
         self.pool = pool
         self.block_size = block_size
         self.host = host
+        self.disk: DiskTier | None = None  # set once the cache's model is known
         # Copies the caller must run after this call (see take_copies): new
         # full blocks to the host tier, host hits back to their new blocks.
         self.offloads: list[tuple[Block, HostSlot]] = []
@@ -128,6 +141,7 @@ class KVCacheManager:
         self.query_tokens = 0
         self.hit_tokens = 0
         self.host_hit_tokens = 0
+        self.disk_hit_tokens = 0
 
     # ----------------------------------------------------------- lookups
 
@@ -185,7 +199,7 @@ class KVCacheManager:
         cached = self.match_tiers(hashes)
         hits = cached if self.host is None else [c for c in cached if isinstance(c, Block)]
         num_host_hits = len(cached) - len(hits)
-        if len(cached) < len(hashes) and hashes[len(cached)] in self.inflight:
+        if len(cached) < len(hashes) and (hashes[len(cached)] in self.inflight or self._wait_for_disk(request, cached)):
             return DEFERRED
         num_cached = len(cached) * self.block_size
         first = min(num_cached, num_tokens - 1)
@@ -200,7 +214,11 @@ class KVCacheManager:
         self.pool.touch(hits, free_hits)
         new_blocks = self._allocate(blocks_needed, fence)
         assert new_blocks is not None, "capacity was checked above"
-        request.blocks = self._swap_in(cached, hashes, new_blocks) if num_host_hits else hits + new_blocks
+        num_disk_hits = 0
+        if num_host_hits:
+            request.blocks, num_disk_hits = self._swap_in(cached, hashes, new_blocks)
+        else:
+            request.blocks = hits + new_blocks
         request.num_cached_tokens = num_cached
         request.num_computed_tokens = first
         request.num_scheduled_tokens = first + num_new
@@ -208,10 +226,30 @@ class KVCacheManager:
         if len(cached) < len(hashes):
             self.inflight.setdefault(hashes[len(cached)], request)
         host_tokens = num_host_hits * self.block_size
+        disk_tokens = num_disk_hits * self.block_size
         self.query_tokens += num_tokens
         self.hit_tokens += num_cached
         self.host_hit_tokens += host_tokens
-        return Admitted(num_cached, host_tokens, first, num_new, request.blocks)
+        self.disk_hit_tokens += disk_tokens
+        return Admitted(num_cached, host_tokens, disk_tokens, first, num_new, request.blocks)
+
+    def _wait_for_disk(self, request: Request, cached: list) -> bool:
+        """Whether the request's next block is on its way from the disk tier,
+        or on disk: then its run of blocks there starts loading into the host
+        tier, and the request waits (a few times at most, MAX_DISK_LOADS)."""
+        disk = self.disk
+        if disk is None:
+            return False
+        rest = request.block_hashes[len(cached) :]
+        if rest[0] in disk.loading:
+            return True
+        if request.disk_loads >= MAX_DISK_LOADS or not disk.holds(rest[0]):
+            return False
+        assert self.host is not None
+        if disk.load(rest, limit=max(1, self.host.num_slots // 2)) == 0:
+            return False
+        request.disk_loads += 1
+        return True
 
     def match_tiers(self, block_hashes: Sequence[bytes]) -> list[Block | HostSlot]:
         """The longest cached prefix, each block from the device if it is
@@ -228,9 +266,12 @@ class KVCacheManager:
             hits.append(source)
         return hits
 
-    def _swap_in(self, cached: list[Block | HostSlot], hashes: Sequence[bytes], new_blocks: list[Block]) -> list[Block]:
+    def _swap_in(
+        self, cached: list[Block | HostSlot], hashes: Sequence[bytes], new_blocks: list[Block]
+    ) -> tuple[list[Block], int]:
         """The block table, host hits given new device blocks that are indexed
-        at once and queued to receive the slots' bytes (``swap_ins``)."""
+        at once and queued to receive the slots' bytes (``swap_ins``); and how
+        many of those slots were read back from disk for it."""
         assert self.host is not None
         fresh = iter(new_blocks)
         table: list[Block] = []
@@ -245,10 +286,14 @@ class KVCacheManager:
             swapped_hashes.append(hashes[position])
             table.append(block)
         table.extend(fresh)
+        from_disk = 0
+        for slot, _ in swap_ins:
+            from_disk += slot.from_disk
+            slot.from_disk = False  # counted once: a later hit on it is the host's
         self.host.begin_read([slot for slot, _ in swap_ins])
         self.pool.cache_blocks([block for _, block in swap_ins], swapped_hashes)
         self.swap_ins.extend(swap_ins)
-        return table
+        return table, from_disk
 
     def append(self, request: Request, num_tokens: int, fence: list[Block] | None = None) -> list[Block] | None:
         """Slots for a running request's next ``num_tokens`` tokens (``fence``:

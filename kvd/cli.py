@@ -35,6 +35,7 @@ log = logging.getLogger("kvd")
 _LISTENING = "listening"
 _CACHE = "cache"
 _HOST_TIER = "host tier (offload to host memory; off by default)"
+_DISK_TIER = "disk tier (blocks kept on disk across restarts; off by default, needs the host tier)"
 _LAYOUT = "layout (optional: otherwise the first engine's model decides)"
 
 #: The unix socket; kvd-serve passes its own to the daemon it starts.
@@ -157,6 +158,30 @@ COMMAND = SettingsCommand(
             help="host tier size when --host-num-blocks is 0, e.g. 8GiB; 0: no host tier",
         ),
         Setting(
+            "--disk-path",
+            env="KVD_DISK_PATH",
+            section=_DISK_TIER,
+            help="the disk tier's folder: blocks entering the host tier are written here and served again after "
+            "a restart, under a folder per model and layout; empty: no disk tier",
+        ),
+        Setting(
+            "--disk-budget",
+            env="KVD_DISK_BUDGET",
+            type=SIZE,
+            default="8GiB",
+            section=_DISK_TIER,
+            help="what the disk tier's files may take together (least recently used evicted first, other "
+            "models' and layouts' before any)",
+        ),
+        Setting(
+            "--disk-remove-others",
+            env="KVD_DISK_REMOVE_OTHERS",
+            is_flag=True,
+            default=False,
+            section=_DISK_TIER,
+            help="at start, delete the blocks of other models, layouts and formats under --disk-path",
+        ),
+        Setting(
             "--num-layers",
             env="KVD_NUM_LAYERS",
             type=click.INT,
@@ -207,6 +232,9 @@ def config_from(args: SimpleNamespace):
         model_layout=layout,
         host_num_blocks=args.host_num_blocks,
         host_memory_budget_bytes=args.host_memory_budget,
+        disk_path=args.disk_path,
+        disk_budget_bytes=args.disk_budget,
+        disk_remove_others=args.disk_remove_others,
     )
 
 

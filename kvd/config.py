@@ -27,6 +27,10 @@ class DaemonConfig:
             ``host_memory_budget_bytes`` holds (0: no host tier).
         quarantine_s: how long a lapsed session's blocks stay out of reuse
             when its engine's process cannot be seen (kvd.quarantine).
+        disk_path: the disk tier's folder ("": no disk tier); needs the host tier.
+        disk_budget_bytes: what the disk tier's files may take together.
+        disk_remove_others: delete other fingerprints' blocks at start
+            (otherwise they are evicted first as room is needed).
     """
 
     block_size: int = 16
@@ -41,6 +45,9 @@ class DaemonConfig:
     host_num_blocks: int = 0
     host_memory_budget_bytes: int = 0
     quarantine_s: float = 30.0
+    disk_path: str = ""
+    disk_budget_bytes: int = 0
+    disk_remove_others: bool = False
 
     def __post_init__(self) -> None:
         if self.host_num_blocks < 0 or self.host_memory_budget_bytes < 0:
@@ -55,5 +62,9 @@ class DaemonConfig:
             raise ValueError(f"max_pinned_fraction must be in [0, 1], got {self.max_pinned_fraction}")
         if self.lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
+        if self.disk_path and not (self.host_num_blocks or self.host_memory_budget_bytes):
+            raise ValueError("the disk tier (--disk-path) reads into and writes from the host tier: give it one")
+        if self.disk_path and self.disk_budget_bytes < 1:
+            raise ValueError(f"the disk tier's budget must be > 0, got {self.disk_budget_bytes}")
         if self.quarantine_s < 0:
             raise ValueError(f"quarantine_s must be >= 0, got {self.quarantine_s}")

@@ -220,9 +220,10 @@ class Daemon:
 
     def lookup(
         self, token_ids: Sequence[int], cache_salt: bytes, extra_keys: Sequence[bytes]
-    ) -> tuple[list[bytes], int]:
+    ) -> tuple[list[bytes], int, int]:
         """The hashes of the leading blocks of ``token_ids`` cached on the
-        device, and how many blocks after them the host tier holds."""
+        device, how many blocks after them the host tier holds, and how many
+        after those the disk tier holds."""
         with self.lock:
             cache = self._cache()
             return cache.lookup(cache.block_hashes(token_ids, cache_salt, extra_keys))
@@ -240,7 +241,7 @@ class Daemon:
             return self._cache().pins.unpin(pin_id)
 
     def reset(self) -> int:
-        """Empties both tiers; returns the device blocks whose content was dropped."""
+        """Empties every tier; returns the device blocks whose content was dropped."""
         self.drain_copies()
         with self.lock:
             cleared = self._cache().reset()
@@ -268,12 +269,13 @@ class Daemon:
     def unsubscribe(self, subscriber: queue.SimpleQueue) -> None:
         self.events.unsubscribe(subscriber)
 
-    def _cached_hashes(self) -> tuple[list[bytes], list[bytes]]:
-        """Every cached block's hash per tier (device, host); under the lock."""
+    def _cached_hashes(self) -> tuple[list[bytes], list[bytes], list[bytes]]:
+        """Every cached block's hash per tier (device, host, disk); under the lock."""
         if self.cache is None:
-            return [], []
+            return [], [], []
         host = list(self.cache.host.cached) if self.cache.host is not None else []
-        return list(self.cache.pool.cached), host
+        disk = self.cache.disk.store.hashes() if self.cache.disk is not None else []
+        return list(self.cache.pool.cached), host, disk
 
     def _publish(self) -> None:
         """Hands this call's events to every subscriber (under the lock)."""

@@ -32,10 +32,11 @@ class EventsSnapshot:
     sequence: int
     device: list[bytes]
     host: list[bytes]
+    disk: list[bytes]
 
 
-#: What is cached now, per tier: (device hashes, host hashes).
-CachedHashes = Callable[[], tuple[list[bytes], list[bytes]]]
+#: What is cached now, per tier: (device hashes, host hashes, disk hashes).
+CachedHashes = Callable[[], tuple[list[bytes], list[bytes], list[bytes]]]
 
 
 class EventHub:
@@ -65,10 +66,10 @@ class EventHub:
     def subscribe(self) -> tuple[queue.SimpleQueue[EventBatch | None], EventsSnapshot]:
         """What is cached now, and a queue that receives every later batch."""
         subscriber: queue.SimpleQueue[EventBatch | None] = queue.SimpleQueue()
-        device, host = self._cached()
+        device, host, disk = self._cached()
         with self._lock:
             self._subscribers.append(subscriber)
-            return subscriber, EventsSnapshot(self._incarnation, self._sequence, device, host)
+            return subscriber, EventsSnapshot(self._incarnation, self._sequence, device, host, disk)
 
     def unsubscribe(self, subscriber: queue.SimpleQueue) -> None:
         with self._lock:

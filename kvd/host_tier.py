@@ -32,14 +32,17 @@ class HostSlot:
         slot_id: index in the host tensor (dimension 0).
         block_hash: the hash of the content it holds or is receiving.
         writing: an outgoing copy (device to host) is filling it.
-        readers: swap-ins (host to device) copying out of it; a slot being
-            read is never evicted.
+        readers: swap-ins (host to device) and disk writes copying out of
+            it; a slot being read is never evicted.
+        from_disk: its bytes were read back from the disk tier and no
+            swap-in counted them yet (usage reports them as the disk's).
     """
 
     slot_id: int
     block_hash: bytes | None = None
     writing: bool = False
     readers: int = 0
+    from_disk: bool = False
 
     @property
     def state(self) -> SlotState:
@@ -99,8 +102,18 @@ class HostTier:
             return None
         slot.block_hash = block_hash
         slot.writing = True
+        slot.from_disk = False
         self.writing[block_hash] = slot
         return slot
+
+    def abandon(self, slot: HostSlot) -> None:
+        """Its copy failed (a disk block gone or corrupt): the slot is free again."""
+        assert slot.writing and slot.block_hash is not None, f"{slot} was not being written"
+        del self.writing[slot.block_hash]
+        slot.writing = False
+        slot.block_hash = None
+        slot.from_disk = False
+        self._free.append(slot)
 
     def written(self, slot: HostSlot) -> None:
         """Its copy finished: the slot serves hits from now on (most recent)."""

@@ -39,7 +39,8 @@ class DaemonCollector:
     def _tiers(s):
         hits = CounterMetricFamily("kvd_tier_hit_tokens", "Prompt tokens served by the cache, by tier", labels=["tier"])
         hits.add_metric(["device"], s.hit_tokens - s.host_hit_tokens)
-        hits.add_metric(["host"], s.host_hit_tokens)
+        hits.add_metric(["host"], s.host_hit_tokens - s.disk_hit_tokens)
+        hits.add_metric(["disk"], s.disk_hit_tokens)
         yield hits
         host = GaugeMetricFamily("kvd_host_blocks", "Host-tier blocks by state", labels=["state"])
         for state, value in (
@@ -66,7 +67,33 @@ class DaemonCollector:
             copied.add_metric([direction], nbytes)
             seconds.add_metric([direction], secs)
             batches.add_metric([direction], count)
+        copied.add_metric(["to_disk"], s.bytes_to_disk)
+        copied.add_metric(["from_disk"], s.bytes_from_disk)
+        seconds.add_metric(["from_disk"], s.disk_read_seconds)
         yield from (copied, seconds, batches)
+        yield from _disk(s)
+
+
+def _disk(s):
+    """The disk tier's gauges and counters (zeros while it is off)."""
+    yield GaugeMetricFamily("kvd_disk_blocks", "Disk-tier blocks of this cache's model and layout", s.num_disk_blocks)
+    space = GaugeMetricFamily("kvd_disk_bytes", "Disk-tier bytes", labels=["kind"])
+    space.add_metric(["used"], s.disk_used_bytes)
+    space.add_metric(["budget"], s.disk_budget_bytes)
+    yield space
+    yield GaugeMetricFamily(
+        "kvd_disk_writes_enabled", "1 while the disk tier writes; 0 after a write failed (or when off)",
+        int(s.disk_writes_enabled),
+    )  # fmt: skip
+    for name, text, value in (
+        ("kvd_disk_evictions", "Disk-tier blocks evicted for room", s.disk_evictions),
+        ("kvd_disk_writes", "Blocks written to the disk tier", s.disk_writes),
+        ("kvd_disk_writes_skipped", "Blocks not written: the writer's queue full or writes off", s.disk_writes_skipped),
+        ("kvd_disk_write_errors", "Disk-tier writes that failed (disk full, I/O error)", s.disk_write_errors),
+        ("kvd_disk_loads", "Blocks read back from the disk tier", s.disk_loads),
+        ("kvd_disk_corrupt_blocks", "Torn or corrupt disk-tier files dropped (recomputed)", s.disk_corrupt_blocks),
+    ):
+        yield CounterMetricFamily(name, text, value)
 
 
 class DaemonMetrics:

@@ -39,10 +39,10 @@ ADMISSION_LOOKAHEAD = 8
 
 
 #: One scheduled chunk: (request, first_position, num_tokens, new_blocks,
-#: num_cached_tokens, num_host_cached_tokens). NOTE: a tuple, not a class: a
+#: num_cached_tokens, num_host_cached_tokens, num_disk_cached_tokens). NOTE: a tuple, not a class: a
 #: decode Step makes one per running request, and the reply transposes them
 #: in one call (``zip(*rows)``).
-_Row = tuple[Request, int, int, list[Block], int, int]
+_Row = tuple[Request, int, int, list[Block], int, int, int]
 _REQUEST, _NUM_TOKENS = 0, 2
 
 
@@ -125,7 +125,7 @@ def _schedule_running(
             if new_blocks is None:
                 continue
         budget -= num_tokens
-        rows.append((request, first, num_tokens, new_blocks, 0, 0))
+        rows.append((request, first, num_tokens, new_blocks, 0, 0, 0))
     if preempted:  # a request preempted after being scheduled gives its tokens back
         gone = set(preempted)
         budget += sum(r[_NUM_TOKENS] for r in rows if r[_REQUEST].request_id in gone)
@@ -175,6 +175,7 @@ def _admit(manager: KVCacheManager, session: Session, budget: int, rows: list[_R
                 admitted.blocks,
                 admitted.num_cached_tokens,
                 admitted.num_host_cached_tokens,
+                admitted.num_disk_cached_tokens,
             )
         )
 
@@ -185,7 +186,7 @@ def _reply(rows: list[_Row]) -> pb.StepResponse:
     reply = pb.StepResponse()
     if not rows:
         return reply
-    requests, firsts, num_tokens, new_blocks, cached, host_cached = zip(*rows, strict=True)
+    requests, firsts, num_tokens, new_blocks, cached, host_cached, disk_cached = zip(*rows, strict=True)
     s = reply.scheduled
     s.request_ids.extend([r.request_id for r in requests])
     s.first_positions.extend(firsts)
@@ -195,4 +196,6 @@ def _reply(rows: list[_Row]) -> pb.StepResponse:
     s.new_block_ids.extend([b.block_id for blocks in new_blocks for b in blocks])
     if any(host_cached):
         s.num_host_cached_tokens.extend(host_cached)
+    if any(disk_cached):
+        s.num_disk_cached_tokens.extend(disk_cached)
     return reply

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import grpc
 
 from kvd import wire
-from kvd.block_pool import DEVICE, HOST, AllCleared, BlockEvent, BlockRemoved, BlockStored, FreeBlockQueue
+from kvd.block_pool import DEVICE, DISK, HOST, AllCleared, BlockEvent, BlockRemoved, BlockStored, FreeBlockQueue
 from kvd.daemon import Daemon
 from kvd.errors import CapacityError, NotFoundError, PreconditionError
 from kvd.events import EventsSnapshot
@@ -90,10 +90,15 @@ class KVDaemonService(pb_grpc.KVDaemonServicer):
         return reply
 
     def Lookup(self, request, context):
-        hashes, on_host = self.daemon.lookup(list(request.token_ids), request.cache_salt, list(request.extra_keys))
+        hashes, on_host, on_disk = self.daemon.lookup(
+            list(request.token_ids), request.cache_salt, list(request.extra_keys)
+        )
         block_size = self.daemon.config.block_size
         return pb.LookupResponse(
-            num_cached_tokens=len(hashes) * block_size, block_hashes=hashes, num_host_cached_tokens=on_host * block_size
+            num_cached_tokens=len(hashes) * block_size,
+            block_hashes=hashes,
+            num_host_cached_tokens=on_host * block_size,
+            num_disk_cached_tokens=on_disk * block_size,
         )
 
     def Pin(self, request, context):
@@ -144,13 +149,14 @@ def snapshot_to_pb(snapshot: EventsSnapshot) -> Iterator[pb.BlockEvents]:
     """The snapshot's messages: all cleared, then each tier's blocks stored, in chunks."""
     header = {"incarnation": snapshot.incarnation, "sequence": snapshot.sequence, "snapshot": True}
     yield pb.BlockEvents(events=[pb.BlockEvent(all_cleared=pb.AllCleared())], **header)
-    for tier, hashes in ((pb.TIER_DEVICE, snapshot.device), (pb.TIER_HOST, snapshot.host)):
+    tiers = ((pb.TIER_DEVICE, snapshot.device), (pb.TIER_HOST, snapshot.host), (pb.TIER_DISK, snapshot.disk))
+    for tier, hashes in tiers:
         for start in range(0, len(hashes), SNAPSHOT_CHUNK):
             stored = pb.BlockStored(block_hashes=hashes[start : start + SNAPSHOT_CHUNK], tier=tier)
             yield pb.BlockEvents(events=[pb.BlockEvent(stored=stored)], **header)
 
 
-_TIER_TO_PB = {DEVICE: pb.TIER_DEVICE, HOST: pb.TIER_HOST}
+_TIER_TO_PB = {DEVICE: pb.TIER_DEVICE, HOST: pb.TIER_HOST, DISK: pb.TIER_DISK}
 
 
 def event_to_pb(event: BlockEvent) -> pb.BlockEvent:

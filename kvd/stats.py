@@ -38,6 +38,21 @@ class Stats:
     copy_batches_from_host: int = 0
     num_quarantined_sessions: int = 0
     num_quarantined_blocks: int = 0
+    num_disk_blocks: int = 0
+    disk_used_bytes: int = 0
+    disk_budget_bytes: int = 0
+    disk_hit_tokens: int = 0
+    disk_evictions: int = 0
+    disk_writes: int = 0
+    disk_writes_skipped: int = 0
+    disk_write_errors: int = 0
+    disk_writes_enabled: bool = False
+    disk_loads: int = 0
+    disk_corrupt_blocks: int = 0
+    bytes_to_disk: int = 0
+    bytes_from_disk: int = 0
+    disk_read_seconds: float = 0.0
+    disk_index_rebuild_seconds: float = 0.0
 
 
 def collect_stats(cache: KVCache | None, sessions: SessionRegistry, quarantine: Quarantine) -> Stats:
@@ -67,6 +82,7 @@ def collect_stats(cache: KVCache | None, sessions: SessionRegistry, quarantine: 
         num_pins=len(pins.pins),
         **sessions_part,
         **_tier_stats(cache),
+        **_disk_stats(cache),
     )
 
 
@@ -89,4 +105,28 @@ def _tier_stats(cache: KVCache) -> dict[str, int | float]:
         "copy_from_host_seconds": c.seconds_from_host,
         "copy_batches_to_host": c.batches_to_host,
         "copy_batches_from_host": c.batches_from_host,
+    }
+
+
+def _disk_stats(cache: KVCache) -> dict[str, int | float | bool]:
+    disk = cache.disk
+    if disk is None:
+        return {}
+    store, c = disk.store, disk.counters
+    return {
+        "num_disk_blocks": len(store),
+        "disk_used_bytes": store.used_bytes,
+        "disk_budget_bytes": store.budget_bytes,
+        "disk_hit_tokens": cache.manager.disk_hit_tokens,
+        "disk_evictions": store.num_evictions,
+        "disk_writes": c.writes,
+        "disk_writes_skipped": c.writes_skipped,
+        "disk_write_errors": c.write_errors,
+        "disk_writes_enabled": disk.writes_enabled,
+        "disk_loads": c.loads,
+        "disk_corrupt_blocks": store.num_corrupt,
+        "bytes_to_disk": store.bytes_written,
+        "bytes_from_disk": store.bytes_read,
+        "disk_read_seconds": store.seconds_reading,
+        "disk_index_rebuild_seconds": store.rebuild_seconds,
     }

@@ -19,6 +19,7 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     TIER_DEVICE: _ClassVar[Tier]
     TIER_HOST: _ClassVar[Tier]
+    TIER_DISK: _ClassVar[Tier]
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT16: DType
 DTYPE_BFLOAT16: DType
@@ -26,6 +27,7 @@ DTYPE_FLOAT32: DType
 DTYPE_FLOAT64: DType
 TIER_DEVICE: Tier
 TIER_HOST: Tier
+TIER_DISK: Tier
 
 class CacheLayout(_message.Message):
     __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "num_blocks")
@@ -234,7 +236,7 @@ class StepRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., commits: _Optional[_Union[Commits, _Mapping]] = ..., finished: _Optional[_Iterable[str]] = ..., forward_in_flight: _Optional[bool] = ..., settings: _Optional[_Union[SessionSettings, _Mapping]] = ..., forward_event: _Optional[bytes] = ...) -> None: ...
 
 class Scheduled(_message.Message):
-    __slots__ = ("request_ids", "first_positions", "num_tokens", "num_cached_tokens", "num_new_blocks", "new_block_ids", "num_host_cached_tokens")
+    __slots__ = ("request_ids", "first_positions", "num_tokens", "num_cached_tokens", "num_new_blocks", "new_block_ids", "num_host_cached_tokens", "num_disk_cached_tokens")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +244,7 @@ class Scheduled(_message.Message):
     NUM_NEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_HOST_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DISK_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     first_positions: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -249,7 +252,8 @@ class Scheduled(_message.Message):
     num_new_blocks: _containers.RepeatedScalarFieldContainer[int]
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_host_cached_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., first_positions: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_host_cached_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    num_disk_cached_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., first_positions: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_host_cached_tokens: _Optional[_Iterable[int]] = ..., num_disk_cached_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("scheduled", "preempted", "released", "num_waiting", "num_free_blocks", "copy_events", "arrival_cached_tokens")
@@ -280,14 +284,16 @@ class LookupRequest(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[bytes] = ..., extra_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("num_cached_tokens", "block_hashes", "num_host_cached_tokens")
+    __slots__ = ("num_cached_tokens", "block_hashes", "num_host_cached_tokens", "num_disk_cached_tokens")
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     NUM_HOST_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DISK_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_cached_tokens: int
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     num_host_cached_tokens: int
-    def __init__(self, num_cached_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_host_cached_tokens: _Optional[int] = ...) -> None: ...
+    num_disk_cached_tokens: int
+    def __init__(self, num_cached_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_host_cached_tokens: _Optional[int] = ..., num_disk_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PinRequest(_message.Message):
     __slots__ = ("pin_id", "token_ids", "cache_salt", "extra_keys")
@@ -326,7 +332,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("num_blocks", "num_free_blocks", "num_used_blocks", "num_pinned_blocks", "num_cached_blocks", "max_pinned_blocks", "evictions", "query_tokens", "hit_tokens", "num_sessions", "num_requests", "num_pins", "num_host_blocks", "num_host_free_blocks", "num_host_cached_blocks", "num_copying_blocks", "num_host_blocks_read", "host_hit_tokens", "host_evictions", "bytes_to_host", "bytes_from_host", "copy_to_host_seconds", "copy_from_host_seconds", "copy_batches_to_host", "copy_batches_from_host", "num_quarantined_sessions", "num_quarantined_blocks")
+    __slots__ = ("num_blocks", "num_free_blocks", "num_used_blocks", "num_pinned_blocks", "num_cached_blocks", "max_pinned_blocks", "evictions", "query_tokens", "hit_tokens", "num_sessions", "num_requests", "num_pins", "num_host_blocks", "num_host_free_blocks", "num_host_cached_blocks", "num_copying_blocks", "num_host_blocks_read", "host_hit_tokens", "host_evictions", "bytes_to_host", "bytes_from_host", "copy_to_host_seconds", "copy_from_host_seconds", "copy_batches_to_host", "copy_batches_from_host", "num_quarantined_sessions", "num_quarantined_blocks", "num_disk_blocks", "disk_used_bytes", "disk_budget_bytes", "disk_hit_tokens", "disk_evictions", "disk_writes", "disk_writes_skipped", "disk_write_errors", "disk_writes_enabled", "disk_loads", "disk_corrupt_blocks", "bytes_to_disk", "bytes_from_disk", "disk_read_seconds", "disk_index_rebuild_seconds")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -354,6 +360,21 @@ class StatsResponse(_message.Message):
     COPY_BATCHES_FROM_HOST_FIELD_NUMBER: _ClassVar[int]
     NUM_QUARANTINED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_QUARANTINED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DISK_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DISK_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    DISK_WRITES_FIELD_NUMBER: _ClassVar[int]
+    DISK_WRITES_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    DISK_WRITE_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    DISK_WRITES_ENABLED_FIELD_NUMBER: _ClassVar[int]
+    DISK_LOADS_FIELD_NUMBER: _ClassVar[int]
+    DISK_CORRUPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TO_DISK_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FROM_DISK_FIELD_NUMBER: _ClassVar[int]
+    DISK_READ_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DISK_INDEX_REBUILD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     num_free_blocks: int
     num_used_blocks: int
@@ -381,7 +402,22 @@ class StatsResponse(_message.Message):
     copy_batches_from_host: int
     num_quarantined_sessions: int
     num_quarantined_blocks: int
-    def __init__(self, num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., max_pinned_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., num_sessions: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_pins: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., num_host_free_blocks: _Optional[int] = ..., num_host_cached_blocks: _Optional[int] = ..., num_copying_blocks: _Optional[int] = ..., num_host_blocks_read: _Optional[int] = ..., host_hit_tokens: _Optional[int] = ..., host_evictions: _Optional[int] = ..., bytes_to_host: _Optional[int] = ..., bytes_from_host: _Optional[int] = ..., copy_to_host_seconds: _Optional[float] = ..., copy_from_host_seconds: _Optional[float] = ..., copy_batches_to_host: _Optional[int] = ..., copy_batches_from_host: _Optional[int] = ..., num_quarantined_sessions: _Optional[int] = ..., num_quarantined_blocks: _Optional[int] = ...) -> None: ...
+    num_disk_blocks: int
+    disk_used_bytes: int
+    disk_budget_bytes: int
+    disk_hit_tokens: int
+    disk_evictions: int
+    disk_writes: int
+    disk_writes_skipped: int
+    disk_write_errors: int
+    disk_writes_enabled: bool
+    disk_loads: int
+    disk_corrupt_blocks: int
+    bytes_to_disk: int
+    bytes_from_disk: int
+    disk_read_seconds: float
+    disk_index_rebuild_seconds: float
+    def __init__(self, num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., max_pinned_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., num_sessions: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_pins: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., num_host_free_blocks: _Optional[int] = ..., num_host_cached_blocks: _Optional[int] = ..., num_copying_blocks: _Optional[int] = ..., num_host_blocks_read: _Optional[int] = ..., host_hit_tokens: _Optional[int] = ..., host_evictions: _Optional[int] = ..., bytes_to_host: _Optional[int] = ..., bytes_from_host: _Optional[int] = ..., copy_to_host_seconds: _Optional[float] = ..., copy_from_host_seconds: _Optional[float] = ..., copy_batches_to_host: _Optional[int] = ..., copy_batches_from_host: _Optional[int] = ..., num_quarantined_sessions: _Optional[int] = ..., num_quarantined_blocks: _Optional[int] = ..., num_disk_blocks: _Optional[int] = ..., disk_used_bytes: _Optional[int] = ..., disk_budget_bytes: _Optional[int] = ..., disk_hit_tokens: _Optional[int] = ..., disk_evictions: _Optional[int] = ..., disk_writes: _Optional[int] = ..., disk_writes_skipped: _Optional[int] = ..., disk_write_errors: _Optional[int] = ..., disk_writes_enabled: _Optional[bool] = ..., disk_loads: _Optional[int] = ..., disk_corrupt_blocks: _Optional[int] = ..., bytes_to_disk: _Optional[int] = ..., bytes_from_disk: _Optional[int] = ..., disk_read_seconds: _Optional[float] = ..., disk_index_rebuild_seconds: _Optional[float] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ()
