@@ -36,14 +36,11 @@ from pathlib import Path
 from typing import Any
 
 import harness
+from harness.text import WORDS
 
 VARIANTS = ("rolling_swap", "engine_restart", "pair_restart")
 BLOCK_SIZE = 16
 NEW_TOKENS = 8
-WORDS = (  # noqa: SIM905 (a word list reads better as prose)
-    "river harbour lock committee report spring flood bridge market grain barge toll quay tide ledger "
-    "merchant warehouse canal ferry signal lantern rope anchor timber stone mill wheel gate clerk road"
-).split()
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -253,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "engine_swap",
         "quick": args.quick,
         "machine": harness.machine_info(),
-        "code": harness.source_digest(("kvd/**/*.py", "inference/**/*.py", "gateway/**/*.py")),
+        "code": harness.source_digest(harness.STACK_SOURCES),
         "workload": {
             "window_s": args.window_s,
             "clients": args.clients,

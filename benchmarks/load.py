@@ -42,12 +42,9 @@ from pathlib import Path
 from typing import Any
 
 import harness
+from harness.text import WORDS
 
 TENANTS = ("acme", "globex", "initech")
-WORDS = (  # noqa: SIM905 (a word list reads better as prose)
-    "river harbour lock committee report spring flood bridge market grain barge toll quay tide ledger "
-    "merchant warehouse canal ferry signal lantern rope anchor timber stone mill wheel gate clerk road"
-).split()
 EXPECTED = frozenset({"OK", "CANCELLED", "DEADLINE_EXCEEDED"})
 
 
@@ -263,7 +260,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             "duration_s": duration, "clients": clients, "tenants": list(TENANTS), "templated_share": 0.5,
             "cancelled_share": 0.10, "expiring_deadline_share": 0.05, "dropped_share": 0.05,
             "max_new_tokens": args.max_new_tokens, "warmup_s": warmup, "seed": args.seed, "model": model_dir.name,
-            "source": harness.source_digest(("kvd/**/*.py", "inference/**/*.py", "gateway/**/*.py")),
+            "source": harness.source_digest(harness.STACK_SOURCES),
         },
         "results": {"soak": soak},
         "ratios": {},

@@ -42,12 +42,9 @@ from pathlib import Path
 from typing import Any
 
 import harness
+from harness.text import WORDS
 
 BLOCK = 16
-WORDS = (  # noqa: SIM905 (a word list reads better as prose)
-    "river harbour lock committee report spring flood bridge market grain barge toll quay tide ledger "
-    "merchant warehouse canal ferry signal lantern rope anchor timber stone mill wheel gate clerk road"
-).split()
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -282,18 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     overhead = results["routing_overhead"]
     print(f"routing overhead on a plain-text prompt in the gateway: tokenize {overhead['tokenize_ms']:.2f}"
           f" ms, hash {overhead['hash_blocks_ms']:.3f} ms")  # fmt: skip
-    harness.write_json(
-        args.json,
-        {
-            "benchmark": "routing",
-            "quick": args.quick,
-            "machine": harness.machine_info(),
-            "source": harness.source_digest(("kvd/**/*.py", "inference/**/*.py", "gateway/**/*.py")),
-            "workload": out["workload"],
-            "results": harness.rounded(results),
-            "ratios": harness.rounded(ratios),
-        },
+    report = harness.stack_report(
+        "routing", args.quick, out["workload"], harness.rounded(results), harness.rounded(ratios)
     )
+    harness.write_json(args.json, report)
     return 0
 
 

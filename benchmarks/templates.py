@@ -39,13 +39,10 @@ from pathlib import Path
 from typing import Any
 
 import harness
+from harness.text import WORDS as BASE_WORDS
 
 VARIANTS = ("template", "no_cache", "auto_prefix")
-WORDS = (  # noqa: SIM905 (a word list reads better as prose)
-    "river harbour lock committee report spring flood bridge market grain barge toll quay tide ledger "
-    "merchant warehouse canal ferry signal lantern rope anchor timber stone mill wheel gate clerk road "
-    "north south east west morning evening winter summer meeting notice repair survey"
-).split()
+WORDS = [*BASE_WORDS, *"north south east west morning evening winter summer meeting notice repair survey".split()]  # noqa: SIM905
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -269,18 +266,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{overhead['before_path_ms']:.2f} ms on the path before (engine Tokenize alone "
         f"{overhead['engine_tokenize_ms']:.2f} ms)"
     )
-    harness.write_json(
-        args.json,
-        {
-            "benchmark": "templates",
-            "quick": args.quick,
-            "machine": harness.machine_info(),
-            "source": harness.source_digest(("kvd/**/*.py", "inference/**/*.py", "gateway/**/*.py")),
-            "workload": out["workload"],
-            "results": harness.rounded(results),
-            "ratios": harness.rounded(ratios),
-        },
+    report = harness.stack_report(
+        "templates", args.quick, out["workload"], harness.rounded(results), harness.rounded(ratios)
     )
+    harness.write_json(args.json, report)
     return 0
 
 

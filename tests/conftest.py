@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -319,6 +320,29 @@ def start_gateway(
     if wait:
         serving_or_killed(gateway, "gateway", 60)
     return gateway
+
+
+@contextlib.contextmanager
+def gateway_on_local_redis(engines: str, workdir: str, replicas: int, args: Sequence[str] = ()) -> Iterator:
+    """A gateway over ``engines`` whose keys live under a prefix of its own in
+    the real Redis at 127.0.0.1:6379, yielded once ``replicas`` of them serve;
+    stopped and its keys deleted after."""
+    import redis
+
+    from gateway.client import GatewayClient
+
+    prefix = f"kvd-test-{secrets.token_hex(4)}:"
+    redis_args = ["--redis-url", "redis://127.0.0.1:6379/0", "--redis-prefix", prefix, "--health-interval-s", "0.2"]
+    gateway = start_gateway(engines, [*redis_args, *args], workdir)
+    try:
+        with GatewayClient(gateway.address, timeout_s=120) as client:
+            assert wait_for(lambda: sum(r.serving for r in client.info().replicas) == replicas, 30), gateway.log()
+        yield gateway
+    finally:
+        gateway.stop()
+        server = redis.Redis(host="127.0.0.1", port=6379)
+        for key in server.scan_iter(f"{prefix}*"):
+            server.delete(key)
 
 
 @dataclass

@@ -23,12 +23,14 @@ from .processes import (
 from .report import (
     REPO_ROOT,
     ROUTER_SOURCES,
+    STACK_SOURCES,
     Progress,
     bar_chart,
     format_table,
     log,
     machine_info,
     source_digest,
+    stack_report,
     write_json,
 )
 from .stats import mean, median, percentile, ratio, rounded
@@ -36,6 +38,7 @@ from .stats import mean, median, percentile, ratio, rounded
 __all__ = [
     "REPO_ROOT",
     "ROUTER_SOURCES",
+    "STACK_SOURCES",
     "ChildProcess",
     "EngineProcess",
     "GatewayProcess",
@@ -53,6 +56,7 @@ __all__ = [
     "ratio",
     "rounded",
     "source_digest",
+    "stack_report",
     "wait_serving",
     "write_json",
 ]

@@ -71,6 +71,23 @@ def source_digest(globs: Sequence[str] = ("kvd/**/*.py", "protos/**/*.proto")) -
     }
 
 
+#: The code a whole-stack benchmark measures.
+STACK_SOURCES = ("kvd/**/*.py", "inference/**/*.py", "gateway/**/*.py")
+
+
+def stack_report(name: str, quick: bool, workload: dict, results: dict, ratios: dict) -> dict[str, Any]:
+    """The JSON of a benchmark that measured the whole stack, in the shared shape."""
+    return {
+        "benchmark": name,
+        "quick": quick,
+        "machine": machine_info(),
+        "source": source_digest(STACK_SOURCES),
+        "workload": workload,
+        "results": results,
+        "ratios": ratios,
+    }
+
+
 def write_json(path: str | os.PathLike, data: dict[str, Any]) -> None:
     """Writes ``data`` as indented JSON, creating the parent folder."""
     path = Path(path)

@@ -8,6 +8,12 @@ from __future__ import annotations
 
 import random
 
+#: Plain words for prompts whose text only has to tokenize as text.
+WORDS = (  # noqa: SIM905 (a word list reads better as prose)
+    "river harbour lock committee report spring flood bridge market grain barge toll quay tide ledger "
+    "merchant warehouse canal ferry signal lantern rope anchor timber stone mill wheel gate clerk road"
+).split()
+
 _SUBJECTS = (
     "the committee", "the old engineer", "a small team", "the river authority", "the new survey", "the city council",
     "a local farmer", "the morning report", "the finance office", "the field crew", "a visiting inspector",

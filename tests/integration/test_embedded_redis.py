@@ -19,9 +19,16 @@ from tests.conftest import free_port, start_gateway, wait_for
 
 
 def _redis_pid(data_dir: Path) -> int:
+    # Redis truncates its pid file before writing it, so a read can see it empty;
+    # wait for a pid that names a live process as well as for the socket.
     pid_file = data_dir / "redis.pid"
-    assert wait_for(lambda: pid_file.exists() and (data_dir / "redis.sock").exists(), timeout_s=60)
-    return int(pid_file.read_text())
+
+    def live_pid() -> int | None:
+        text = pid_file.read_text().strip() if pid_file.exists() else ""
+        return int(text) if text.isdigit() and psutil.pid_exists(int(text)) else None
+
+    assert wait_for(lambda: live_pid() is not None and (data_dir / "redis.sock").exists(), timeout_s=60)
+    return live_pid()
 
 
 def _client(data_dir: Path) -> redis.Redis:

@@ -8,7 +8,6 @@ and fairness between two engines' sessions.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import secrets
 import shutil
 import signal
 import tempfile
@@ -17,14 +16,13 @@ import time
 
 import grpc
 import pytest
-import redis
 import torch
 
 from gateway.client import GatewayClient
 from inference import model_store
 from kvd.client import DaemonClient
 from kvd_api.engine.v1 import engine_pb2 as epb
-from tests.conftest import blocks_held, start_daemon, start_engine, start_gateway, wait_for
+from tests.conftest import blocks_held, gateway_on_local_redis, start_daemon, start_engine, wait_for
 from tests.integration import engine_client
 from tests.integration.gateway_client import completion, document
 
@@ -57,16 +55,8 @@ def engines(daemon, model_dir, folder):
 
 @pytest.fixture(scope="module")
 def gateway(engines, folder):
-    prefix = f"kvd-test-swap-{secrets.token_hex(4)}:"
-    args = ["--redis-url", "redis://127.0.0.1:6379/0", "--redis-prefix", prefix, "--health-interval-s", "0.2"]
-    gw = start_gateway(",".join(e.address for e in engines), args, folder)
-    with GatewayClient(gw.address, timeout_s=120) as client:
-        assert wait_for(lambda: sum(r.serving for r in client.info().replicas) == 2, 30), gw.log()
-    yield gw
-    gw.stop()
-    server = redis.Redis(host="127.0.0.1", port=6379)
-    for key in server.scan_iter(f"{prefix}*"):
-        server.delete(key)
+    with gateway_on_local_redis(",".join(e.address for e in engines), folder, replicas=2) as gw:
+        yield gw
 
 
 @pytest.fixture(scope="module")
@@ -185,21 +175,20 @@ def test_a_drain_hands_back_what_has_not_started_and_the_gateway_retries_it_else
     daemon = start_daemon(["--block-size", str(BLOCK), "--num-blocks", "256"], workdir)
     args = ["--model", str(model_dir), *ENGINE_ARGS, "--max-num-seqs", "1"]
     a, b = start_engine(daemon, args, workdir), start_engine(daemon, args, workdir)
-    prefix = f"kvd-test-drain-{secrets.token_hex(4)}:"
-    gw_args = ["--redis-url", "redis://127.0.0.1:6379/0", "--redis-prefix", prefix, "--routing", "round-robin",
-               "--health-interval-s", "0.2"]  # fmt: skip
-    gateway = start_gateway(f"{a.address},{b.address}", gw_args, workdir)
+    engines = f"{a.address},{b.address}"
     try:
-        stub = engine_client.stub(a.address)
-        running_prompt = tokenizer.encode(document(tokenizer, 48), add_special_tokens=False)
-        running = stub.Generate(engine_client.request(running_prompt, 40))
-        first = next(running)  # admitted and streaming: A's one seat is taken
-        waiting = stub.Generate(engine_client.request([5, 6, 7, 8], 4))
-        with GatewayClient(gateway.address, timeout_s=120) as client, cf.ThreadPoolExecutor(2) as pool:
-            routed = [pool.submit(completion, client, [9, 10, 11, i], max_new_tokens=3) for i in range(2)]
-            assert wait_for(lambda: any(f.done() for f in routed), 60)  # B's; A's waits behind the long one
-            reply = stub.Drain(epb.DrainRequest(timeout_s=120), timeout=180)
-            assert [len(f.result(timeout=60)[0]) for f in routed] == [3, 3]  # A's was retried on B
+        with gateway_on_local_redis(engines, workdir, 2, ["--routing", "round-robin"]) as gateway:
+            stub = engine_client.stub(a.address)
+            running_prompt = tokenizer.encode(document(tokenizer, 48), add_special_tokens=False)
+            running = stub.Generate(engine_client.request(running_prompt, 40))
+            first = next(running)  # admitted and streaming: A's one seat is taken
+            waiting = stub.Generate(engine_client.request([5, 6, 7, 8], 4))
+            with GatewayClient(gateway.address, timeout_s=120) as client, cf.ThreadPoolExecutor(2) as pool:
+                routed = [pool.submit(completion, client, [9, 10, 11, i], max_new_tokens=3) for i in range(2)]
+                assert wait_for(lambda: any(f.done() for f in routed), 60)  # B's; A's waits behind the long one
+                reply = stub.Drain(epb.DrainRequest(timeout_s=120), timeout=180)
+                assert [len(f.result(timeout=60)[0]) for f in routed] == [3, 3]  # A's was retried on B
+            assert "request handed to another replica" in gateway.log()
         assert (reply.handed_back, reply.cut_short) == (2, 0), reply
         with pytest.raises(grpc.RpcError) as refused:
             next(waiting)  # nothing streamed before the error: a router may retry it elsewhere
@@ -207,12 +196,10 @@ def test_a_drain_hands_back_what_has_not_started_and_the_gateway_retries_it_else
         rest = list(running)
         assert len(first.token_ids) + sum(len(m.token_ids) for m in rest) == 40  # ran to its end
         assert a.process.wait(timeout=30) == 0
-        assert "request handed to another replica" in gateway.log()
         with DaemonClient.connect(daemon.address) as client:
             assert wait_for(lambda: client.stats().num_used_blocks == 0, 10)
             assert client.lookup(running_prompt) == len(running_prompt) // BLOCK * BLOCK  # the cache kept it
     finally:
-        gateway.stop()
         a.stop()
         b.stop()
         daemon.stop()

@@ -11,12 +11,11 @@ import tempfile
 
 import grpc
 import pytest
-import redis
 
 from gateway.client import GatewayClient
 from inference import model_store
 from kvd.client import DaemonClient
-from tests.conftest import free_port, start_daemon, start_engine, start_gateway, wait_for
+from tests.conftest import free_port, gateway_on_local_redis, start_daemon, start_engine, start_gateway, wait_for
 from tests.integration import engine_client
 from tests.integration.gateway_client import completion, document, status_of
 
@@ -47,18 +46,10 @@ def replicas(model_dir, folder):
 
 @pytest.fixture(scope="module")
 def gateway(replicas, folder):
-    prefix = f"kvd-test-{secrets.token_hex(4)}:"
     # One replica by a dns: name (localhost resolves to 127.0.0.1 here), one by address.
     engines = f"dns:localhost:{replicas[0].address.rsplit(':', 1)[1]},{replicas[1].address}"
-    args = ["--redis-url", "redis://127.0.0.1:6379/0", "--redis-prefix", prefix, "--health-interval-s", "0.2"]
-    gw = start_gateway(engines, args, folder)
-    with GatewayClient(gw.address, timeout_s=120) as client:
-        assert wait_for(lambda: sum(r.serving for r in client.info().replicas) == 2, 30), gw.log()
-    yield gw
-    gw.stop()
-    server = redis.Redis(host="127.0.0.1", port=6379)
-    for key in server.scan_iter(f"{prefix}*"):
-        server.delete(key)
+    with gateway_on_local_redis(engines, folder, replicas=2) as gw:
+        yield gw
 
 
 @pytest.fixture(scope="module")
