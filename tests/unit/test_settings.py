@@ -25,7 +25,14 @@ DEPLOY = ROOT / "deploy"
 #: Each server's ``config_from``: its settings' values into its frozen config object.
 CONFIGS = {"kvd": "kvd.cli", "kvd-engine": "inference.cli", "kvd-gateway": "gateway.cli"}
 #: Variables docker compose itself reads (interpolated into the compose files); no process reads them.
-COMPOSE_VARIABLES = {"KVD_IMAGE", "KVD_GPU_ID", "KVD_MODELS_DIR", "KVD_GATEWAY_PORT", "KVD_FLASH_ATTN"}
+COMPOSE_VARIABLES = {
+    "KVD_IMAGE",
+    "KVD_GPU_ID",
+    "KVD_MODELS_DIR",
+    "KVD_GATEWAY_PORT",
+    "KVD_FLASH_ATTN",
+    "KVD_REDIS_IMAGE",
+}
 #: Variables of the test suite, and the file that reads each.
 TEST_VARIABLES = {
     "KVD_FUZZ_EXAMPLES": "tests/fuzz/test_public_rpcs.py",
