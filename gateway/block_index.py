@@ -22,8 +22,8 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterable, Sequence
 
-DEVICE, HOST = 0, 1
-TIERS = (DEVICE, HOST)
+DEVICE, HOST, DISK = 0, 1, 2  # the daemon's Tier values
+TIERS = (DEVICE, HOST, DISK)
 
 _KEY = operator.itemgetter(slice(0, 8))
 
@@ -113,9 +113,13 @@ class BlockIndex:
 
     # ------------------------------------------------------------ lookups
 
-    def run_lengths(self, keys: Sequence[bytes], among: int) -> dict[int, int]:
+    def has_disk_blocks(self) -> bool:
+        return bool(self._tiers[DISK])
+
+    def run_lengths(self, keys: Sequence[bytes], among: int, with_disk: bool = True) -> dict[int, int]:
         """slot -> how many of the leading blocks ``keys`` (``index_keys``) it
-        holds in any tier or is promised, for the slots of ``among`` that hold the first.
+        holds in any tier (the disk's too unless ``with_disk`` is False) or is
+        promised, for the slots of ``among`` that hold the first.
 
         A replica is taken to hold every block before one it holds: a daemon
         evicts a prompt's blocks from its tail, and a parent's hash is only
@@ -127,18 +131,19 @@ class BlockIndex:
         """
         lengths: dict[int, int] = {}
         n = len(keys)
-        holders = self._held(keys[0]) & among if n else 0
+        held = self._held if with_disk else self._held_in_memory
+        holders = held(keys[0]) & among if n else 0
         start = 0
         while holders:
             # The first block past ``start`` that not every one of ``holders`` holds.
             lo, hi = start + 1, n
             while lo < hi:
                 mid = (lo + hi) // 2
-                if self._held(keys[mid]) & holders == holders:
+                if held(keys[mid]) & holders == holders:
                     lo = mid + 1
                 else:
                     hi = mid
-            still = self._held(keys[lo]) & holders if lo < n else 0
+            still = held(keys[lo]) & holders if lo < n else 0
             lost = holders & ~still
             while lost:
                 low = lost & -lost
@@ -148,7 +153,12 @@ class BlockIndex:
         return lengths
 
     def _held(self, key: bytes) -> int:
-        device, host = self._tiers
+        disk = self._tiers[DISK]
+        mask = self._held_in_memory(key)
+        return mask | disk.get(key, 0) if disk else mask
+
+    def _held_in_memory(self, key: bytes) -> int:
+        device, host, _ = self._tiers
         mask = device.get(key, 0) | host.get(key, 0) if host else device.get(key, 0)
         return mask | self._promised.get(key, 0) if self._promised else mask
 

@@ -48,6 +48,11 @@ __all__ = [
     "rendezvous",
 ]
 
+#: What a block on a replica's disk tier counts for against one in its memory
+#: (device or host tier): reading it back is far cheaper than computing it,
+#: but a memory hit is cheaper still (docs/benchmarks.md, the ``disk`` workload).
+DISK_BLOCK_WEIGHT = 0.5
+
 
 class Router:
     """The replicas' health, load and cached prefixes, and the choice among them.
@@ -252,6 +257,14 @@ class Router:
         if among is None:
             among = self._among = sum(1 << r.slot for r in candidates)
         held = self._index.run_lengths(key.keys, among) if key.keys else {}
+        if held and self._index.has_disk_blocks():
+            # A block on a replica's disk is read back, cheaper than computing
+            # it, dearer than a block in its memory: it counts for a fraction.
+            in_memory = self._index.run_lengths(key.keys, among, with_disk=False)
+            held = {
+                slot: in_memory.get(slot, 0) + round(DISK_BLOCK_WEIGHT * (n - in_memory.get(slot, 0)))
+                for slot, n in held.items()
+            }
         if key.template:
             home = self._placement.home(key.template, candidates)
             for r in candidates:

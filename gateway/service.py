@@ -332,6 +332,7 @@ def _response(message: epb.GenerateResponse, template_tokens: int) -> pb.Generat
                 completion_tokens=u.completion_tokens,
                 time_to_first_token_s=u.time_to_first_token_s,
                 host_cached_prompt_tokens=u.host_cached_prompt_tokens,
+                disk_cached_prompt_tokens=u.disk_cached_prompt_tokens,
             )
         )
     return out

@@ -76,6 +76,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_cached_prompt: int = -1  # -1 until first admitted
     num_host_cached_prompt: int = 0  # of num_cached_prompt, copied back from the host tier
+    num_disk_cached_prompt: int = 0  # of num_host_cached_prompt, read back from the disk tier
     #: while waiting: the prompt tokens its daemon held when it came (load reports; 0: not known yet)
     expected_cached: int = 0
     num_computed: int = 0  # tokens whose K/V a finished forward wrote (load reports)
@@ -232,6 +233,7 @@ class RequestTable:
         block_ids = s.new_block_ids[:]
         offsets = list(accumulate(s.num_new_blocks, initial=0))
         host_cached = s.num_host_cached_tokens[:]
+        disk_cached = s.num_disk_cached_tokens[:]
         work = []
         for i, (request_id, first, num_tokens, cached) in enumerate(
             zip(s.request_ids, s.first_positions, s.num_tokens, s.num_cached_tokens, strict=True)
@@ -240,6 +242,7 @@ class RequestTable:
             if not seq.block_table and seq.num_cached_prompt < 0:  # its first admission
                 seq.num_cached_prompt = min(cached, len(seq.prompt_ids))
                 seq.num_host_cached_prompt = min(host_cached[i] if host_cached else 0, seq.num_cached_prompt)
+                seq.num_disk_cached_prompt = min(disk_cached[i] if disk_cached else 0, seq.num_host_cached_prompt)
             seq.block_table.extend(block_ids[offsets[i] : offsets[i + 1]])
             if not seq.is_finished:
                 work.append(Work(seq, first, num_tokens, cached))

@@ -313,6 +313,7 @@ def usage(seq: Sequence, completion_tokens: int) -> pb.Usage:
         prompt_tokens=len(seq.prompt_ids),
         cached_prompt_tokens=max(seq.num_cached_prompt, 0),
         host_cached_prompt_tokens=seq.num_host_cached_prompt,
+        disk_cached_prompt_tokens=seq.num_disk_cached_prompt,
         completion_tokens=completion_tokens,
         time_to_first_token_s=ttft,
     )

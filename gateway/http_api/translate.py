@@ -77,6 +77,7 @@ def usage(u: pb.Usage) -> dict:
         "kvd": {
             "template_tokens": u.template_tokens,
             "host_cached_tokens": u.host_cached_prompt_tokens,
+            "disk_cached_tokens": u.disk_cached_prompt_tokens,
             "time_to_first_token_s": u.time_to_first_token_s,
         },
     }

@@ -155,7 +155,7 @@ def test_the_gateway_passes_on_every_field_an_engine_returns():
         finish_reason=epb.FINISH_REASON_LENGTH,
         top_logprobs=[epb.TopLogprobs(token_ids=[1, 7], logprobs=[-0.5, -1.0])] * 2,
         usage=epb.Usage(prompt_tokens=9, cached_prompt_tokens=8, completion_tokens=2, time_to_first_token_s=0.5,
-                        host_cached_prompt_tokens=4),
+                        host_cached_prompt_tokens=4, disk_cached_prompt_tokens=2),
     )  # fmt: skip
     assert all(getattr(message.usage, field) for field in usage_fields)  # none left at its default
     out = _response(message, template_tokens=3)
