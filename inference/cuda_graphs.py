@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from inference.attention import AttentionMetadata, StepTensors
+from inference.attention_metadata import AttentionMetadata, StepTensors
 from inference.kernels.launch import LaunchShape, choose_splits
 from inference.model_runner import Chunk, ModelRunner, StepInputs, step_parts
 

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from inference.attention import BACKENDS, AttentionMetadata, DecodeBatch, StepTensors, chunk_mask
+from inference.attention import BACKENDS
+from inference.attention_metadata import AttentionMetadata, DecodeBatch, StepTensors, chunk_mask
 from inference.kernels.launch import LaunchShape, choose_splits
 
 if TYPE_CHECKING:
