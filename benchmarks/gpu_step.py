@@ -74,7 +74,7 @@ def new_cache(model, num_blocks: int) -> torch.Tensor:
 def decode_case(model, batch: int, context: int, shared: bool) -> tuple[list, torch.Tensor, int]:
     """One decode step's chunks at position ``context`` for ``batch`` sequences,
     a cache (random K/V) and the K/V bytes the step reads."""
-    from inference.model_runner import Chunk
+    from inference.step_inputs import Chunk
 
     blocks_per_seq = -(-(context + 1) // BLOCK)
     prefix = (context // BLOCK) if shared else 0  # full blocks every sequence shares

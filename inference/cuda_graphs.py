@@ -54,7 +54,8 @@ import torch
 
 from inference.attention_metadata import AttentionMetadata, StepTensors
 from inference.kernels.launch import LaunchShape, choose_splits
-from inference.model_runner import Chunk, ModelRunner, StepInputs, step_parts
+from inference.model_runner import ModelRunner
+from inference.step_inputs import Chunk, StepInputs, step_parts
 
 log = logging.getLogger("inference.cuda_graphs")
 

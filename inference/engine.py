@@ -43,9 +43,10 @@ import torch
 
 from inference.cuda_graphs import CudaGraphCapture, EagerStandIn, GraphPlan, capture_graphs
 from inference.load import LoadBoard, LoadReport, PrefillRate
-from inference.model_runner import NO_MARK, Chunk, ForwardMark, ModelRunner
+from inference.model_runner import NO_MARK, ForwardMark, ModelRunner
 from inference.requests import Finish, RequestTable, Sequence, Work
 from inference.sampling import Sampler, make_generator
+from inference.step_inputs import Chunk
 from inference.streams import SampledToken, StreamWriter
 from kvd.client import DaemonSession, LeaseLapsed
 

@@ -24,8 +24,9 @@ import torch
 
 from inference import attention
 from inference.cuda_graphs import CudaGraphCapture, GraphPlan, capture_graphs
-from inference.model_runner import Chunk, ModelRunner
+from inference.model_runner import ModelRunner
 from inference.sampling import Sampler, SamplingParams
+from inference.step_inputs import Chunk
 from tests.conftest import start_daemon, start_engine, wait_for
 from tests.integration.engine_client import (
     assert_close_to_reference,

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from inference import attention
-from inference.model_runner import Chunk, ModelRunner
+from inference.model_runner import ModelRunner
 from inference.sampling import Sampler, SamplingParams, make_generator
+from inference.step_inputs import Chunk
 
 pytestmark = pytest.mark.gpu
 BLOCK = 16

@@ -20,9 +20,10 @@ import pytest
 import torch
 
 from inference.engine import Engine, EngineConfig
-from inference.model_runner import NO_MARK, Chunk, ForwardMark
+from inference.model_runner import NO_MARK, ForwardMark
 from inference.requests import Sequence
 from inference.sampling import SamplingParams
+from inference.step_inputs import Chunk
 from kvd.client import DaemonClient
 from kvd.config import DaemonConfig
 from kvd.daemon import Daemon

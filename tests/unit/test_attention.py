@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from inference.attention import torch_paged_attention
-from inference.model_runner import Chunk, ModelRunner
+from inference.model_runner import ModelRunner
+from inference.step_inputs import Chunk
 
 BLOCK, LAYERS, KV_HEADS, HEADS, DIM = 4, 2, 2, 6, 8
 

@@ -30,7 +30,8 @@ from inference.cuda_graphs import (
     mixed_token_counts,
 )
 from inference.kernels.launch import LaunchShape
-from inference.model_runner import Chunk, ModelRunner
+from inference.model_runner import ModelRunner
+from inference.step_inputs import Chunk
 
 BLOCK, LAYERS, KV_HEADS, HEAD_DIM = 16, 2, 2, 16  # tests/model_families.py's tiny_llama
 NUM_BLOCKS = 64

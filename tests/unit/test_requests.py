@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from inference.engine import Engine
-from inference.model_runner import BlockTableRows
 from inference.requests import MAX_PROMPT_TOKENS_PER_STEP, Finish, RequestTable, Sequence
 from inference.sampling import SamplingParams
+from inference.step_inputs import BlockTableRows
 from kvd_api.daemon.v1 import daemon_pb2 as pb
 
 

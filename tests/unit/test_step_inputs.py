@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from inference import attention
-from inference.model_runner import BlockTableRows, Chunk, ModelRunner, build_step_inputs
+from inference.model_runner import ModelRunner
+from inference.step_inputs import BlockTableRows, Chunk, build_step_inputs
 
 BLOCK = 4
 
