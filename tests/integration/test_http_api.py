@@ -1,0 +1,293 @@
+"""The gateway's OpenAI-compatible HTTP API through the real ``openai`` client
+(and curl), in front of a real daemon, a float64 engine and the real Redis.
+
+One stack for the module: a gateway with API keys, a limit of two requests
+at once per tenant, and its HTTP listener on a port of its own. Outputs are
+compared with the gRPC API's ``Complete`` and with transformers'
+``model.generate``; blocks held with the daemon's ``Stats``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import shutil
+import subprocess
+import tempfile
+
+import httpx2 as httpx
+import openai
+import pytest
+import redis
+import torch
+
+from gateway.client import GatewayClient
+from inference import model_store
+from tests.conftest import blocks_held, free_port, start_daemon, start_engine, start_gateway, wait_for
+from tests.integration.engine_client import reference_greedy
+from tests.integration.gateway_client import document
+
+BLOCK = 16
+KEYS = {"acme-key": ["generate", "templates:write"], "reader-key": ["generate"]}
+SUPPORT = (
+    "You are the support assistant of ACME Corp. You answer questions about ACME's products politely and "
+    "briefly. ACME sells anvils, rockets, giant magnets and portable holes to customers worldwide."
+)
+
+
+@pytest.fixture(scope="module")
+def stack(model_dir):
+    """(daemon, gateway, the HTTP API's base URL)."""
+    folder = tempfile.mkdtemp(prefix="kvd-http-", dir="/tmp")
+    with open(f"{folder}/keys.json", "w") as f:
+        json.dump({"keys": [{"key": k, "tenant": "acme", "scopes": s} for k, s in KEYS.items()]}, f)
+    prefix = f"kvd-test-{secrets.token_hex(4)}:"
+    http = f"127.0.0.1:{free_port()}"
+    daemon = start_daemon(["--block-size", str(BLOCK), "--num-blocks", "512", "--lease-s", "2"], folder)
+    engine = start_engine(daemon, ["--model", str(model_dir), "--dtype", "float64"], folder)
+    gateway = start_gateway(
+        engine.address,
+        ["--redis-url", "redis://127.0.0.1:6379/0", "--redis-prefix", prefix, "--api-keys", f"{folder}/keys.json",
+         "--max-concurrent-requests", "2", "--http-listen", http],
+        folder,
+    )  # fmt: skip
+    try:
+        assert wait_for(lambda: httpx.get(f"http://{http}/ready").status_code == 200, 30), gateway.log()
+        yield daemon, gateway, f"http://{http}/v1"
+    finally:
+        gateway.stop()
+        engine.stop()
+        daemon.stop()
+        server = redis.Redis(host="127.0.0.1", port=6379)
+        for key in server.scan_iter(f"{prefix}*"):
+            server.delete(key)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=stack[2], api_key="acme-key", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model_name(client):
+    (model,) = client.models.list().data
+    return model.id
+
+
+@pytest.fixture(scope="module")
+def grpc_client(stack):
+    with GatewayClient(stack[1].address, api_key="acme-key", timeout_s=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return model_store.load_tokenizer(model_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    return model_store.load_model(model_dir, torch.float64, "cpu")
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+# ---------------------------------------------------------------- outputs
+
+
+def test_models_lists_the_served_model_with_its_context(client, model_name, grpc_client):
+    info = grpc_client.info()
+    model = client.models.retrieve(model_name)
+    assert model.id == info.model and model.model_extra["context_length"] == info.max_context
+
+
+def test_chat_equals_grpc_complete_and_model_generate(client, model_name, grpc_client, tokenizer, reference):
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+    reply = client.chat.completions.create(model=model_name, messages=messages, max_tokens=8, **GREEDY)
+    grpc_reply = grpc_client.complete(chat=[(m["role"], m["content"]) for m in messages], max_new_tokens=8,
+                                      ignore_eos=True)  # fmt: skip
+    expected = reference_greedy(reference, chat_ids(tokenizer, messages), 8)
+    assert list(grpc_reply.token_ids) == expected
+    assert reply.choices[0].message.content == grpc_reply.text == tokenizer.decode(expected, skip_special_tokens=True)
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage.completion_tokens == 8 and reply.usage.prompt_tokens == grpc_reply.usage.prompt_tokens
+
+
+def test_text_completion_of_token_ids_equals_grpc_and_model_generate(client, model_name, grpc_client, tokenizer,
+                                                                     reference):  # fmt: skip
+    ids = tokenizer.encode("The capital of France is", add_special_tokens=False)
+    reply = client.completions.create(model=model_name, prompt=ids, max_tokens=6, logprobs=2, **GREEDY)
+    grpc_reply = grpc_client.complete(ids, max_new_tokens=6, ignore_eos=True, logprobs=True, top_logprobs=2)
+    assert list(grpc_reply.token_ids) == reference_greedy(reference, ids, 6)
+    assert reply.choices[0].text == grpc_reply.text
+    logprobs = reply.choices[0].logprobs
+    assert logprobs.tokens == [tokenizer.decode([t]) for t in grpc_reply.token_ids]
+    assert logprobs.token_logprobs == pytest.approx(list(grpc_reply.logprobs))
+    assert all(len(top) == 2 for top in logprobs.top_logprobs)
+
+
+def test_streams_sync_and_async_give_the_whole_reply(client, stack, model_name):
+    prompt = "Write a sentence about rivers."
+    whole = client.completions.create(model=model_name, prompt=prompt, max_tokens=12, **GREEDY)
+    chunks = list(client.completions.create(model=model_name, prompt=prompt, max_tokens=12, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))  # fmt: skip
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert "".join(texts) == whole.choices[0].text and len([t for t in texts if t]) > 1
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+    async def chat_stream() -> tuple[str, str]:
+        async with openai.AsyncOpenAI(base_url=stack[2], api_key="acme-key", max_retries=0) as aclient:
+            messages = [{"role": "user", "content": prompt}]
+            whole = await aclient.chat.completions.create(model=model_name, messages=messages, max_tokens=10,
+                                                          **GREEDY)  # fmt: skip
+            stream = await aclient.chat.completions.create(model=model_name, messages=messages, max_tokens=10,
+                                                           stream=True, **GREEDY)  # fmt: skip
+            deltas = [c.choices[0].delta.content or "" async for c in stream]
+            return whole.choices[0].message.content, "".join(deltas)
+
+    whole_text, streamed = asyncio.run(chat_stream())
+    assert streamed == whole_text and whole_text
+
+
+def test_curl_sees_the_chunks_as_they_come(stack, model_name):
+    body = {"model": model_name, "prompt": "Count: one, two,", "max_tokens": 48, "stream": True, "ignore_eos": True}
+    curl = subprocess.Popen(
+        ["curl", "--silent", "--no-buffer", f"{stack[2]}/completions", "-H", "Authorization: Bearer acme-key",
+         "-H", "Content-Type: application/json", "-d", json.dumps(body)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        first = curl.stdout.readline()
+        assert first.startswith("data: {") and curl.poll() is None  # the first chunk came while tokens still come
+        rest = curl.stdout.read()
+    finally:
+        curl.wait(timeout=60)
+    events = [line for line in (first + rest).splitlines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) > 10
+
+
+# ------------------------------------------------------------------ caching
+
+
+def test_cached_tokens_count_a_template_and_a_repeated_prompt(client, model_name, tokenizer):
+    created = client.post("/templates", body={"name": "support-bot", "content": SUPPORT}, cast_to=httpx.Response)
+    template = created.json()
+    try:
+        assert template["cached_token_count"] == len(tokenizer.encode(SUPPORT)) // BLOCK * BLOCK > 0
+        reply = client.completions.create(model=model_name, prompt=" Customer: hello.", max_tokens=2,
+                                          extra_body={"template": "support-bot"})  # fmt: skip
+        assert reply.usage.prompt_tokens_details.cached_tokens >= template["cached_token_count"]
+        assert reply.usage.model_extra["kvd"]["template_tokens"] == template["token_count"]
+    finally:
+        client.delete("/templates/support-bot", cast_to=httpx.Response)
+    long_prompt = [{"role": "user", "content": document(tokenizer, 200) + " Summarise."}]
+    usages = [
+        client.chat.completions.create(model=model_name, messages=long_prompt, max_tokens=1,
+                                       prompt_cache_key="conversation-7").usage
+        for _ in range(2)
+    ]  # fmt: skip
+    first, again = (u.prompt_tokens_details.cached_tokens for u in usages)
+    assert first < BLOCK * 2  # at most the chat template's default system prompt, cached by earlier tests
+    assert again > first and again >= (usages[1].prompt_tokens // BLOCK - 1) * BLOCK
+
+
+def test_a_chat_template_takes_chat_messages(client, model_name, grpc_client):
+    body = {"name": "terse", "messages": [{"role": "system", "content": "You are terse. " * 8}]}
+    client.post("/templates", body=body, cast_to=httpx.Response)
+    try:
+        messages = [{"role": "user", "content": "Hi"}]
+        reply = client.chat.completions.create(model=model_name, messages=messages, max_tokens=4,
+                                               extra_body={"template": "terse", "ignore_eos": True})  # fmt: skip
+        grpc_reply = grpc_client.complete(chat=[("user", "Hi")], template="terse", max_new_tokens=4, ignore_eos=True)
+        assert reply.choices[0].message.content == grpc_reply.text
+        assert reply.usage.prompt_tokens_details.cached_tokens >= BLOCK
+        with pytest.raises(openai.BadRequestError, match="chat messages"):
+            client.completions.create(model=model_name, prompt="Hi", extra_body={"template": "terse"})
+    finally:
+        client.delete("/templates/terse", cast_to=httpx.Response)
+
+
+def test_template_crud_over_http(stack):
+    with httpx.Client(base_url=stack[2], headers={"Authorization": "Bearer acme-key"}, timeout=120) as http:
+        for name in ("crud-a", "crud-b", "crud-c"):
+            assert (
+                http.post("/templates", json={"name": name, "content": SUPPORT, "description": name}).status_code == 200
+            )
+        assert http.post("/templates", json={"name": "crud-a", "content": "x"}).status_code == 409
+        names, token = [], ""
+        while True:
+            page = http.get("/templates", params={"page_size": 2, "page_token": token}).json()
+            assert len(page["data"]) <= 2 and all(t["content"] == "" for t in page["data"])
+            names += [t["name"] for t in page["data"] if t["name"].startswith("crud-")]
+            token = page["next_page_token"]
+            if not page["has_more"]:
+                break
+        assert names == ["crud-a", "crud-b", "crud-c"]
+        assert http.get("/templates/crud-b").json()["content"] == SUPPORT
+        updated = http.patch("/templates/crud-b", json={"ttl_seconds": 100, "description": "new"}).json()
+        assert updated["description"] == "new" and updated["expires_at"] is not None
+        assert http.patch("/templates/crud-b", json={"content": "x"}).status_code == 400
+        for name in ("crud-a", "crud-b", "crud-c"):
+            assert http.delete(f"/templates/{name}").json()["deleted"] is True
+        assert http.get("/templates/crud-a").status_code == 404
+        assert http.get("/templates", params={"page_token": "forged.0"}).status_code == 400
+
+
+# ------------------------------------------------------------------- errors
+
+
+def test_errors_raise_the_clients_classes(stack, client, model_name):
+    with pytest.raises(openai.NotFoundError, match="not found"):
+        client.completions.create(model=model_name, prompt="Hi", extra_body={"template": "no-such-template"})
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="gpt-4o", prompt="Hi")
+    for key in ("wrong-key", ""):
+        stranger = openai.OpenAI(base_url=stack[2], api_key=key or "unused", max_retries=0,
+                                 default_headers={} if key else {"Authorization": ""})  # fmt: skip
+        with pytest.raises(openai.AuthenticationError):
+            stranger.completions.create(model=model_name, prompt="Hi")
+    reader = openai.OpenAI(base_url=stack[2], api_key="reader-key", max_retries=0)
+    with pytest.raises(openai.PermissionDeniedError, match="templates:write"):
+        reader.post("/templates", body={"name": "mine", "content": "x"}, cast_to=httpx.Response)
+    refused = {"n": 2, "tools": [{"type": "function", "function": {"name": "f"}}], "frequency_penalty": 0.5,
+               "response_format": {"type": "json_object"}, "temperature": 3, "max_tokens": 0}  # fmt: skip
+    for param, value in refused.items():
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Hi"}],
+                                           **{param: value})  # fmt: skip
+        assert info.value.body["param"] == param, info.value.body
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model_name, prompt="Hi", extra_body={"best_friend": 1})
+    assert info.value.body["param"] == "best_friend"
+    with pytest.raises(openai.BadRequestError, match="prompt"):
+        client.completions.create(model=model_name, prompt=[10**12])
+
+
+def test_a_dropped_stream_frees_its_blocks_and_its_slot(stack, client, model_name, tokenizer):
+    daemon, _, base = stack
+    assert wait_for(lambda: blocks_held(daemon) == 0, 15)
+    body = {"model": model_name, "prompt": document(tokenizer, 100), "max_tokens": 4000, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    headers = {"Authorization": "Bearer acme-key"}
+    with httpx.Client(base_url=base, headers=headers, timeout=120) as first, \
+         httpx.Client(base_url=base, headers=headers, timeout=120) as second:  # fmt: skip
+        streams = [c.stream("POST", "/completions", json=body) for c in (first, second)]
+        readers = [stream.__enter__().iter_lines() for stream in streams]  # kept: a reader collected closes its stream
+        for lines in readers:
+            assert next(lines).startswith("data: ")
+        assert blocks_held(daemon) > 0
+        with pytest.raises(openai.RateLimitError, match="max_concurrent_requests"):  # the tenant's two run
+            client.completions.create(model=model_name, prompt="Hi", max_tokens=1)
+        for stream in streams:
+            stream.__exit__(None, None, None)
+    assert wait_for(lambda: blocks_held(daemon) == 0, 10), blocks_held(daemon)
+    assert client.completions.create(model=model_name, prompt="Hi", max_tokens=1).usage.completion_tokens == 1
