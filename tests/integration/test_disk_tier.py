@@ -1,0 +1,243 @@
+"""The disk tier with real processes and the real model (float64: every output
+must equal ``model.generate``'s exactly).
+
+- a daemon SIGKILLed and started again on the same folder serves the same
+  prompts' blocks from disk, token-exact; torn and corrupt files are dropped
+  and recomputed; a burst of writes cut by SIGKILL leaves no torn block served;
+- another tenant's prompts, and a daemon of another layout on the same folder,
+  get nothing from those blocks;
+- a workload larger than the device and host tiers cycles through the disk,
+  token-exact, and leaves nothing held;
+- a full disk (a small tmpfs) stops writes with one warning; serving goes on.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from inference import model_store
+from kvd import disk_format
+from kvd.client import DaemonClient
+from kvd.hashing import BlockHasher, encode_extra_keys, pack_tokens
+from tests.conftest import blocks_held, start_daemon, start_engine, wait_for
+from tests.integration.engine_client import generate, reference_greedy, request, stub
+from tests.integration.test_offload import churn, settled
+
+NEW_TOKENS = 4
+BLOCK = 16
+DOC_TOKENS = 128  # 8 blocks
+DOCS = 4
+TENANT_A, TENANT_B = b"tenant-a", b"tenant-b"
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    model = model_store.load_model(model_dir, torch.float64, "cpu")
+    memo: dict[tuple[int, ...], list[int]] = {}
+
+    def greedy(ids: list[int]) -> list[int]:
+        if tuple(ids) not in memo:
+            memo[tuple(ids)] = reference_greedy(model, ids, NEW_TOKENS)
+        return memo[tuple(ids)]
+
+    return greedy
+
+
+def documents(seed: int, count: int, tokens: int = DOC_TOKENS) -> list[list[int]]:
+    """Long documents, each with a short question after it (token ids)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(tokens + rng.randrange(3, 9))] for _ in range(count)]
+
+
+def block_files(disk: Path, ids: list[int], salt: bytes = b"") -> list[Path]:
+    """The files the prompt's full blocks have under the folder's one fingerprint."""
+    (folder,) = [p for p in disk.iterdir() if p.is_dir()]
+    hashes = BlockHasher(encode_extra_keys(salt, ()), BLOCK).advance(pack_tokens(ids))
+    return [folder / disk_format.file_name(h) for h in hashes]
+
+
+def stack(folder: str, disk: Path, model_dir, device_blocks: int, host_blocks: int, *extra: str):
+    daemon = start_daemon(
+        ["--block-size", str(BLOCK), "--lease-s", "2", "--num-blocks", str(device_blocks),
+         "--host-num-blocks", str(host_blocks), "--disk-path", str(disk), "--disk-budget", "4GiB", *extra],
+        folder,
+    )  # fmt: skip
+    engine = start_engine(daemon, ["--model", str(model_dir), "--dtype", "float64", "--token-budget", "256"], folder)
+    return daemon, engine
+
+
+def ask(engine, ids: list[int], salt: bytes = b""):
+    req = request(ids, NEW_TOKENS)
+    req.cache_salt = salt
+    tokens, _, final = generate(stub(engine.address), req)
+    return tokens, final.usage
+
+
+def stats(daemon):
+    with DaemonClient.connect(daemon.address) as client:
+        return client.stats()
+
+
+@pytest.fixture(scope="module")
+def first_life(model_dir, reference):
+    """A stack that prefilled the documents (the last one also as tenant A),
+    wrote them all to disk, then took a burst of new prompts and was SIGKILLed
+    amid their writes. Yields (disk folder, documents, burst prompts)."""
+    workdir = tempfile.mkdtemp(prefix="kvd-disk-", dir="/tmp")
+    disk = Path(workdir) / "disk"
+    docs = documents(seed=1, count=DOCS)
+    burst = documents(seed=2, count=3)
+    daemon, engine = stack(os.path.join(workdir, "life1"), disk, model_dir, 64, 64)
+    for ids in docs:
+        tokens, usage = ask(engine, ids)
+        assert tokens == reference(ids) and usage.disk_cached_prompt_tokens == 0
+    assert ask(engine, docs[-1], TENANT_A)[0] == reference(docs[-1])
+    full_blocks = sum(len(ids) // BLOCK for ids in docs) + len(docs[-1]) // BLOCK
+    assert wait_for(lambda: stats(daemon).num_disk_blocks == full_blocks, 30), stats(daemon)
+    client = stub(engine.address)
+    for ids in burst:
+        generate(client, request(ids, 1))
+    wait_for(lambda: stats(daemon).disk_writes > full_blocks, 10, interval_s=0.001)
+    daemon.stop(signal.SIGKILL)
+    engine.stop(signal.SIGKILL)
+    yield disk, docs, burst
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def second_life(first_life, model_dir):
+    """The same folder after the SIGKILL, with document 1's third block file
+    corrupted and document 2's first block file cut short."""
+    disk, docs, _ = first_life
+    corrupt = block_files(disk, docs[1])[2]
+    raw = bytearray(corrupt.read_bytes())
+    raw[-10] ^= 0xFF
+    corrupt.write_bytes(bytes(raw))
+    torn = block_files(disk, docs[2])[0]
+    torn.write_bytes(torn.read_bytes()[:1000])
+    workdir = tempfile.mkdtemp(prefix="kvd-disk-", dir="/tmp")
+    daemon, engine = stack(workdir, disk, model_dir, 64, 64)
+    yield daemon, engine
+    engine.stop()
+    daemon.stop()
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+def test_after_sigkill_the_same_prompts_come_from_disk_token_exact(first_life, second_life, reference):
+    disk, docs, burst = first_life
+    daemon, engine = second_life
+    before = stats(daemon)
+    assert before.num_disk_blocks >= sum(len(ids) // BLOCK for ids in docs) - 1  # the torn one dropped at start
+    assert before.disk_index_rebuild_seconds > 0
+    assert "disk tier index rebuilt" in daemon.log()
+    served = {}
+    for i in (0, 1, 2):
+        tokens, usage = ask(engine, docs[i])
+        assert tokens == reference(docs[i]), f"document {i} diverged after the restart"
+        served[i] = usage.disk_cached_prompt_tokens
+    assert served[0] == len(docs[0]) // BLOCK * BLOCK, "an intact document did not come whole from disk"
+    assert served[1] == 2 * BLOCK, "blocks up to the corrupt one come from disk, the rest is recomputed"
+    assert served[2] == 0, "a document whose first block file is torn is recomputed"
+    after = stats(daemon)
+    assert after.disk_corrupt_blocks == 2 and after.disk_hit_tokens == served[0] + served[1]
+    for ids in burst:  # cut by the SIGKILL amid their writes: whatever is served is whole
+        assert ask(engine, ids)[0] == reference(ids)
+    assert wait_for(lambda: settled(daemon), 20) and blocks_held(daemon) == 0
+
+
+def test_another_tenants_blocks_on_disk_are_no_hits(first_life, second_life, reference):
+    _, docs, _ = first_life
+    daemon, engine = second_life
+    tokens, usage = ask(engine, docs[-1], TENANT_B)
+    assert tokens == reference(docs[-1])
+    assert usage.cached_prompt_tokens == 0 and usage.disk_cached_prompt_tokens == 0
+    tokens, usage = ask(engine, docs[-1], TENANT_A)
+    assert tokens == reference(docs[-1])
+    assert usage.disk_cached_prompt_tokens == len(docs[-1]) // BLOCK * BLOCK
+
+
+def test_another_layout_on_the_same_folder_serves_nothing_of_it(first_life, model_dir, reference):
+    disk, docs, _ = first_life
+    workdir = tempfile.mkdtemp(prefix="kvd-disk-", dir="/tmp")
+    before = {p.name for p in disk.iterdir()}
+    daemon = start_daemon(
+        ["--block-size", "32", "--lease-s", "2", "--num-blocks", "64", "--host-num-blocks", "64",
+         "--disk-path", str(disk), "--disk-budget", "4GiB"],
+        workdir,
+    )  # fmt: skip
+    engine = start_engine(daemon, ["--model", str(model_dir), "--dtype", "float64"], workdir)
+    try:
+        assert stats(daemon).num_disk_blocks == 0
+        tokens, usage = ask(engine, docs[0])
+        assert tokens == reference(docs[0])
+        assert usage.cached_prompt_tokens == 0 and usage.disk_cached_prompt_tokens == 0
+        assert stats(daemon).disk_loads == 0
+        assert len({p.name for p in disk.iterdir()} - before) == 1, "its blocks go under a folder of its own"
+    finally:
+        engine.stop()
+        daemon.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def test_churn_past_device_and_host_cycles_through_disk(model_dir, reference):
+    workdir = tempfile.mkdtemp(prefix="kvd-disk-", dir="/tmp")
+    disk = Path(workdir) / "disk"
+    docs = documents(seed=3, count=6, tokens=96)  # 36 document blocks; device 20, host 16
+    rng = random.Random(4)
+    prompts = [doc[:96] + [rng.randrange(100, 40000) for _ in range(rng.randrange(3, 12))] for doc in docs * 2]
+    daemon, engine = stack(workdir, disk, model_dir, 20, 16)
+    try:
+        results = churn(engine.address, prompts, 0, seed=5)
+        for ids, tokens, _ in results:
+            assert tokens == reference(ids), f"a {len(ids)}-token prompt diverged"
+        assert sum(usage.disk_cached_prompt_tokens for _, _, usage in results) > 0, "the disk tier served nothing"
+        assert wait_for(lambda: settled(daemon), 20), "blocks stayed held or copying"
+        s = stats(daemon)
+        assert blocks_held(daemon) == 0 and s.num_host_blocks_read == 0 and s.disk_loads > 0
+        assert s.num_host_free_blocks + s.num_host_cached_blocks == s.num_host_blocks, "a host slot is still loading"
+    finally:
+        engine.stop()
+        daemon.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _mount_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir(parents=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    return done.returncode == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting the small tmpfs that plays a full disk needs root")
+def test_a_full_disk_stops_writes_and_serving_goes_on(model_dir, reference):
+    workdir = tempfile.mkdtemp(prefix="kvd-disk-", dir="/tmp")
+    disk = Path(workdir) / "disk"
+    assert _mount_tmpfs(disk, "6m"), "mount -t tmpfs failed"  # room for 3 float64 blocks of SmolLM2
+    try:
+        daemon, engine = stack(workdir, disk, model_dir, 64, 64)
+        try:
+            docs = documents(seed=6, count=2)
+            for ids in docs:
+                assert ask(engine, ids)[0] == reference(ids)
+            assert wait_for(lambda: not stats(daemon).disk_writes_enabled, 20), "writes were not disabled"
+            s = stats(daemon)
+            assert s.disk_write_errors >= 1 and 0 < s.num_disk_blocks < len(docs[0]) // BLOCK
+            for ids in docs:  # served from the device and host tiers
+                tokens, usage = ask(engine, ids)
+                assert tokens == reference(ids) and usage.cached_prompt_tokens > 0
+            assert daemon.log().count("disk tier writes disabled") == 1
+            assert not list((next(p for p in disk.iterdir() if p.is_dir()) / disk_format.TMP_FOLDER).iterdir())
+        finally:
+            engine.stop()
+            daemon.stop()
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+        shutil.rmtree(workdir, ignore_errors=True)
