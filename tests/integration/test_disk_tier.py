@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,7 @@ from inference import model_store
 from kvd import disk_format
 from kvd.client import DaemonClient
 from kvd.hashing import BlockHasher, encode_extra_keys, pack_tokens
+from kvd_api.daemon.v1 import daemon_pb2 as pb
 from tests.conftest import blocks_held, start_daemon, start_engine, wait_for
 from tests.integration.engine_client import generate, reference_greedy, request, stub
 from tests.integration.test_offload import churn, settled
@@ -241,3 +243,26 @@ def test_a_full_disk_stops_writes_and_serving_goes_on(model_dir, reference):
     finally:
         subprocess.run(["umount", str(disk)], check=False)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def test_events_metrics_and_lookup_report_the_disk_tier(first_life, second_life):
+    disk, docs, _ = first_life
+    daemon, _ = second_life
+    folder = block_files(disk, docs[0])[0].parent.parent
+    on_disk = {p.stem for p in folder.rglob("*.kvb")}
+    with DaemonClient.connect(daemon.address) as client:
+        snapshot = []
+        for batch in client.events():
+            if not batch.snapshot:
+                break
+            snapshot += [e.stored for e in batch.events if e.HasField("stored") and e.stored.tier == pb.TIER_DISK]
+            if len(snapshot) and sum(len(s.block_hashes) for s in snapshot) >= len(on_disk):
+                break
+        assert {h.hex() for s in snapshot for h in s.block_hashes} == on_disk
+        reply = client.stub.Lookup(pb.LookupRequest(token_ids=docs[3], cache_salt=TENANT_A))
+        assert reply.num_cached_tokens + reply.num_host_cached_tokens + reply.num_disk_cached_tokens == (
+            len(docs[3]) // BLOCK * BLOCK
+        )
+    text = urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics", timeout=5).read().decode()
+    assert f"kvd_disk_blocks {float(stats(daemon).num_disk_blocks)}" in text
+    assert 'kvd_tier_hit_tokens_total{tier="disk"}' in text and "kvd_disk_corrupt_blocks_total 2.0" in text
