@@ -17,7 +17,8 @@ from kvd_api.gateway.v1 import gateway_pb2 as pb
 
 
 def create_app(service: GatewayService, relay: Relay) -> FastAPI:
-    app = FastAPI(title="kvd", docs_url=None, redoc_url=None, openapi_url=None)
+    # No redirects: a path with a trailing slash (an empty template name) is a 404, as any unknown path.
+    app = FastAPI(title="kvd", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     app.state.service = service
     app.state.relay = relay
     app.state.started = int(time.time())
