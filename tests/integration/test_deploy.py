@@ -21,6 +21,7 @@ import tempfile
 import tomllib
 from pathlib import Path
 
+import httpx2 as httpx
 import pytest
 import redis
 import yaml
@@ -238,6 +239,12 @@ def test_compose_stack_serves_a_template(stack_root, model_dir):
                                     max_new_tokens=4, ignore_eos=True)  # fmt: skip
             assert len(reply.token_ids) == 4
             assert reply.usage.cached_prompt_tokens >= created.cached_token_count
+        # The HTTP API on its published port: the same template through the OpenAI-compatible API.
+        http = f"http://127.0.0.1:{local.port('8000')}/v1"
+        model = httpx.get(f"{http}/models", timeout=30).json()["data"][0]["id"]
+        body = {"model": model, "prompt": " Customer: hi.", "max_tokens": 2, "template": "deploy-check"}
+        usage = httpx.post(f"{http}/completions", json=body, timeout=120).json()["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= created.cached_token_count
         # The template is in the compose file's Redis (AOF on, in its volume).
         store = redis.Redis(port=int(local.port("6379")))
         assert store.config_get("appendonly") == {"appendonly": "yes"}
