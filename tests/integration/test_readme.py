@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.conftest import start_daemon, start_engine, start_gateway
+from tests.conftest import free_port, start_daemon, start_engine, start_gateway
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 DAEMON_ADDRESS = "unix:/tmp/kvd-0/kvd.sock"
 GATEWAY_ADDRESS = "127.0.0.1:50051"
+HTTP_ADDRESS = "http://127.0.0.1:8000/v1"
 
 
 def python_blocks() -> list[str]:
@@ -28,8 +29,9 @@ def python_blocks() -> list[str]:
 
 def test_every_python_block_is_covered():
     blocks = python_blocks()
-    assert len(blocks) == 2
+    assert len(blocks) == 3
     assert sum(DAEMON_ADDRESS in b for b in blocks) == 1 and sum(GATEWAY_ADDRESS in b for b in blocks) == 1
+    assert sum(HTTP_ADDRESS in b for b in blocks) == 1
     assert GATEWAY_ADDRESS in re.findall(r"```python\n(.*?)```", PAGES[0].read_text(), flags=re.DOTALL)[0]
 
 
@@ -56,15 +58,23 @@ def redis_prefix():
 
 def test_the_gateway_example_runs_as_written(workdir, model_dir, redis_prefix, capsys):
     (block,) = [b for b in python_blocks() if GATEWAY_ADDRESS in b]
+    (http_block,) = [b for b in python_blocks() if HTTP_ADDRESS in b]
     daemon = start_daemon(["--block-size", "16", "--num-blocks", "256"], workdir)
     engine = start_engine(daemon, ["--model", str(model_dir)], workdir)
+    http = f"127.0.0.1:{free_port()}"
     gateway = start_gateway(
-        engine.address, ["--redis-url", "redis://127.0.0.1:6379/0", "--redis-prefix", redis_prefix], workdir
+        engine.address,
+        ["--redis-url", "redis://127.0.0.1:6379/0", "--redis-prefix", redis_prefix, "--http-listen", http],
+        workdir,
     )
     try:
         exec(compile(block.replace(GATEWAY_ADDRESS, gateway.address), "README.md", "exec"), {})
         printed = capsys.readouterr().out.split()
         assert len(printed) >= 2 and int(printed[-1]) >= 0  # some text, then the cached prompt tokens
+        # The HTTP example, after it: the template it created is cached.
+        exec(compile(http_block.replace(HTTP_ADDRESS, f"http://{http}/v1"), "README.md", "exec"), {})
+        printed = capsys.readouterr().out.split()
+        assert len(printed) >= 2 and int(printed[-1]) >= 16  # some text, then the blocks the gRPC example computed
     finally:
         gateway.stop()
         engine.stop()
