@@ -510,6 +510,7 @@ def test_make_serve_stack_starts_its_processes_replaces_engines_and_stops_them(w
         "KVD_DATA_DIR": f"{workdir}/data",
         "KVD_MODEL": str(model_dir),
         "KVD_NUM_BLOCKS": "256",
+        "KVD_HTTP_LISTEN": f"127.0.0.1:{free_port()}",
     }
     cmd = [sys.executable, "-m", "inference.stack", "--gateway", f"127.0.0.1:{gateway_port}",
            "--engine", f"127.0.0.1:{engine_port}", "--engines", "2"]  # fmt: skip
@@ -536,6 +537,7 @@ def test_make_serve_stack_starts_its_processes_replaces_engines_and_stops_them(w
             stack.kill()
     log = Path(f"{workdir}/serve.log").read_text()
     assert "gateway on 127.0.0.1" in log and "single-user mode" in log
+    assert f"http://{env['KVD_HTTP_LISTEN']}/v1" in log
     assert f"engines on 127.0.0.1:{engine_port}, 127.0.0.1:{engine_port + 1}" in log
 
 
