@@ -27,6 +27,9 @@ submission to its first streamed token. Greedy outputs (EOS ignored) of every
 request must be identical across the three variants.
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/offload.py --json FILE [--quick] [--plot FILE]
+
+``--workload disk`` and ``--workload restart`` measure the disk tier instead
+(benchmarks/offload_disk.py says how).
 """
 
 from __future__ import annotations
@@ -270,11 +273,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--documents", type=int, help="override the number of documents")
     p.add_argument("--document-tokens", type=int, help="override the document length")
     p.add_argument("--logs", help="copy the daemons' and engines' logs into this folder")
+    p.add_argument(
+        "--workload",
+        choices=("host", "disk", "restart"),
+        default="host",
+        help="host: the host tier (this docstring); disk, restart: the disk tier (benchmarks/offload_disk.py)",
+    )
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.workload != "host":
+        import offload_disk
+
+        return offload_disk.main(args)
     started = time.perf_counter()
     sizes = dict(QUICK if args.quick else FULL)
     if args.documents:

@@ -221,6 +221,9 @@ class DiskStore:
         try:
             with open(path, "rb", buffering=0) as file:
                 got = _read_all(file, view)
+                # NOTE: its bytes live in the host tier now; the page cache
+                # need not keep a second copy (nor make the next read look fast).
+                os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
                 payload = disk_format.verify(view[:got], block_hash, self.payload_bytes)
                 out[:] = payload
             os.utime(path)  # read now: the last to be evicted, after a restart too
