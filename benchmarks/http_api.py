@@ -1,0 +1,267 @@
+"""The gateway's HTTP API against its gRPC API: time to first token, output
+tokens/s and the time the HTTP layer adds per streamed token.
+
+    .venv/bin/python benchmarks/http_api.py --json benchmarks/results/http_api.json [--quick]
+
+One daemon, one float32 SmolLM2 engine and one gateway serving both APIs (the
+HTTP one on its second listener). The same workload goes through gRPC
+``Generate`` (``gateway.client``, a thread per client) and through HTTP
+streaming with the ``openai`` async client (``/v1/completions`` with the same
+token ids, ``stream_options.include_usage``), at 1, 16 and 64 concurrent
+clients; at each, the two variants alternate round by round on the same
+processes, so the machine's noise hits them alike. Every request has a prompt
+of its own (the same length for both: neither finds the other's blocks),
+greedy, EOS ignored, so each produces exactly ``new_tokens`` tokens.
+
+Per variant and concurrency: p50/p90 time to first token (the first message
+or chunk carrying tokens, as the client sees it), output tokens/s (tokens
+over the batch's wall time), p50 time between tokens within a stream, and the
+gateway process's CPU seconds per output token. ``http_added_s_per_token``
+is HTTP's p50 time between tokens minus gRPC's: what the HTTP layer adds to
+each streamed token. Targets: HTTP p50 TTFT <= 1.1x gRPC's and output
+tokens/s >= 0.95x gRPC's at every concurrency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import harness
+from harness.text import english_like, exact_tokens
+
+VARIANTS = ("grpc", "http")
+
+
+@dataclass
+class Timed:
+    """One request as its client saw it."""
+
+    start: float
+    first: float | None = None
+    arrivals: list[float] = field(default_factory=list)  # each message / chunk carrying tokens
+    tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first is None else self.first - self.start
+
+    def gaps(self) -> list[float]:
+        return [b - a for a, b in zip(self.arrivals, self.arrivals[1:], strict=False)]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", required=True, help="write the results here")
+    p.add_argument("--quick", action="store_true", help="a small workload (about a minute)")
+    p.add_argument("--concurrency", default="1,16,64", help="comma-separated client counts")
+    p.add_argument("--requests-per-client", type=int, help="requests each client sends per round (default 2; quick 1)")
+    p.add_argument("--min-requests", type=int, help="requests per variant and round at least (default 8; quick 4)")
+    p.add_argument("--prompt-tokens", type=int, help="default 128; quick 32")
+    p.add_argument("--new-tokens", type=int, help="default 64; quick 16")
+    p.add_argument("--rounds", type=int, help="interleaved rounds per concurrency (default 2; quick 1)")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--model", default="smollm2")
+    return p.parse_args(argv)
+
+
+def grpc_one(client, prompt: list[int], new_tokens: int) -> Timed:
+    import grpc
+
+    t = Timed(time.perf_counter())
+    try:
+        for message in client.generate(prompt, max_new_tokens=new_tokens, ignore_eos=True):
+            if message.token_ids:
+                now = time.perf_counter()
+                t.first = t.first or now
+                t.arrivals.append(now)
+            if message.HasField("usage"):
+                t.tokens = message.usage.completion_tokens
+    except grpc.RpcError as err:
+        t.error = f"{err.code().name}: {err.details()}"
+    return t
+
+
+async def http_one(client, model: str, prompt: list[int], new_tokens: int) -> Timed:
+    import openai
+
+    t = Timed(time.perf_counter())
+    try:
+        stream = await client.completions.create(
+            model=model, prompt=prompt, max_tokens=new_tokens, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].finish_reason is None:
+                now = time.perf_counter()
+                t.first = t.first or now
+                t.arrivals.append(now)
+            if chunk.usage is not None:
+                t.tokens = chunk.usage.completion_tokens
+    except openai.APIError as err:
+        t.error = f"{type(err).__name__}: {err}"
+    return t
+
+
+def run_grpc(address: str, prompts: list[list[int]], new_tokens: int, clients: int) -> list[Timed]:
+    from gateway.client import GatewayClient
+
+    with GatewayClient(address, timeout_s=900) as client, ThreadPoolExecutor(clients) as pool:
+        return list(pool.map(lambda p: grpc_one(client, p, new_tokens), prompts))
+
+
+def run_http(base_url: str, model: str, prompts: list[list[int]], new_tokens: int, clients: int) -> list[Timed]:
+    import httpx2
+    import openai
+
+    async def main() -> list[Timed]:
+        limits = httpx2.Limits(max_connections=clients, max_keepalive_connections=clients)
+        http_client = openai.DefaultAsyncHttpxClient(limits=limits, timeout=900)
+        async with openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, http_client=http_client) as c:
+            gate = asyncio.Semaphore(clients)
+
+            async def one(prompt: list[int]) -> Timed:
+                async with gate:
+                    return await http_one(c, model, prompt, new_tokens)
+
+            return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+    return asyncio.run(main())
+
+
+def summarize(timed: list[Timed], wall_s: float, cpu_s: float) -> dict[str, Any]:
+    ok = [t for t in timed if t.error is None]
+    tokens = sum(t.tokens for t in ok)
+    ttfts = [t.ttft_s for t in ok if t.ttft_s is not None]
+    gaps = [g for t in ok for g in t.gaps()]
+    return {
+        "requests": len(timed),
+        "errors": len(timed) - len(ok),
+        "output_tokens": tokens,
+        "ttft_p50_s": harness.median(ttfts),
+        "ttft_p90_s": harness.percentile(ttfts, 90),
+        "output_tokens_per_s": tokens / wall_s if wall_s else None,
+        "inter_token_p50_s": harness.median(gaps),
+        "gateway_cpu_s_per_token": cpu_s / tokens if tokens else None,
+        "wall_s": wall_s,
+    }
+
+
+def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    import openai
+
+    from inference import model_store
+
+    quick = args.quick
+    levels = [int(c) for c in args.concurrency.split(",")]
+    per_client = args.requests_per_client or (1 if quick else 2)
+    prompt_len = args.prompt_tokens or (32 if quick else 128)
+    new_tokens = args.new_tokens or (16 if quick else 64)
+    rounds = args.rounds or (1 if quick else 2)
+    least = args.min_requests or (4 if quick else 8)  # one client's single request would be all noise
+    batch_size = {c: max(c * per_client, least) for c in levels}
+    model_dir = model_store.resolve_model(args.model, model_store.default_cache_dir())
+    tokenizer = model_store.load_tokenizer(model_dir)
+    rng = random.Random(args.seed)
+
+    def prompt() -> list[int]:  # distinct prompts: no request finds another's blocks
+        return exact_tokens(tokenizer, english_like(rng, 6), prompt_len, rng)
+
+    most = max(levels)
+    blocks = max(2048, 3 * most * (prompt_len + new_tokens) // 16)
+    timed: dict[str, dict[int, list[Timed]]] = {v: {c: [] for c in levels} for v in VARIANTS}
+    wall = {v: dict.fromkeys(levels, 0.0) for v in VARIANTS}
+    cpu = {v: dict.fromkeys(levels, 0.0) for v in VARIANTS}
+    with (
+        harness.KvdProcess(workdir, ["--block-size", "16", "--num-blocks", str(blocks), "--metrics-port", "0"]) as kvd,
+        harness.EngineProcess(workdir, kvd.address, ["--model", str(model_dir), "--max-num-seqs", str(most)]) as engine,
+        harness.GatewayProcess(workdir, engine.address, http=True) as gateway,
+    ):
+        base_url = f"http://{gateway.http_address}/v1"
+        model = openai.OpenAI(base_url=base_url, api_key="none").models.list().data[0].id
+        # Warm-up (not measured): both paths once, the gateway's tokenizer and the HTTP stack loaded.
+        run_grpc(gateway.address, [prompt()], new_tokens, 1)
+        run_http(base_url, model, [prompt()], new_tokens, 1)
+        progress = harness.Progress("http_api: interleaved rounds", sum(batch_size.values()) * rounds * 2)
+        for clients in levels:
+            for r in range(rounds):
+                order = VARIANTS if r % 2 == 0 else tuple(reversed(VARIANTS))
+                for variant in order:
+                    batch = [prompt() for _ in range(batch_size[clients])]
+                    cpu_before = harness.process_cpu_s(gateway.proc.pid)
+                    start = time.perf_counter()
+                    if variant == "grpc":
+                        got = run_grpc(gateway.address, batch, new_tokens, clients)
+                    else:
+                        got = run_http(base_url, model, batch, new_tokens, clients)
+                    wall[variant][clients] += time.perf_counter() - start
+                    cpu[variant][clients] += harness.process_cpu_s(gateway.proc.pid) - cpu_before
+                    timed[variant][clients] += got
+                    progress.advance(len(batch))
+        progress.done()
+    results: dict[str, Any] = {
+        v: {f"c{c}": summarize(timed[v][c], wall[v][c], cpu[v][c]) for c in levels} for v in VARIANTS
+    }
+    ratios: dict[str, Any] = {}
+    results["added"] = {}
+    for c in levels:
+        g, h = results["grpc"][f"c{c}"], results["http"][f"c{c}"]
+        ratios[f"ttft_p50_http_over_grpc_c{c}"] = harness.ratio(h["ttft_p50_s"], g["ttft_p50_s"])
+        ratios[f"output_tokens_per_s_http_over_grpc_c{c}"] = harness.ratio(
+            h["output_tokens_per_s"], g["output_tokens_per_s"]
+        )
+        results["added"][f"c{c}"] = {
+            "http_added_s_per_token": h["inter_token_p50_s"] - g["inter_token_p50_s"],
+            "http_added_cpu_s_per_token": (h["gateway_cpu_s_per_token"] or 0) - (g["gateway_cpu_s_per_token"] or 0),
+        }
+    workload = {
+        "concurrency": levels,
+        "requests_per_variant_and_round": {f"c{c}": n for c, n in batch_size.items()},
+        "rounds": rounds,
+        "prompt_tokens": prompt_len,
+        "new_tokens": new_tokens,
+        "seed": args.seed,
+        "model": model_dir.name,
+        "dtype": "float32",
+        "grpc": "gateway.client Generate, a thread per client",
+        "http": "openai AsyncOpenAI completions, stream with include_usage, token-id prompt",
+    }
+    return {"workload": workload, "results": results, "ratios": ratios}
+
+
+def table(results: dict[str, Any], ratios: dict[str, Any], levels: list[int]) -> str:
+    rows = []
+    for c in levels:
+        g, h, a = results["grpc"][f"c{c}"], results["http"][f"c{c}"], results["added"][f"c{c}"]
+        rows.append([c, g["ttft_p50_s"], h["ttft_p50_s"], ratios[f"ttft_p50_http_over_grpc_c{c}"],
+                     g["output_tokens_per_s"], h["output_tokens_per_s"],
+                     ratios[f"output_tokens_per_s_http_over_grpc_c{c}"], a["http_added_s_per_token"] * 1e3,
+                     g["errors"] + h["errors"]])  # fmt: skip
+    headers = ["clients", "grpc ttft p50 s", "http ttft p50 s", "http/grpc", "grpc tok/s", "http tok/s",
+               "http/grpc", "added ms/token", "errors"]  # fmt: skip
+    return harness.format_table(headers, rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="kvd-bench-http-", dir="/tmp") as workdir:
+        measured = run(args, Path(workdir))
+    report = harness.stack_report("http_api", args.quick, measured["workload"], measured["results"], measured["ratios"])
+    report = harness.rounded(report)
+    harness.write_json(args.json, report)
+    print(table(report["results"], report["ratios"], measured["workload"]["concurrency"]))
+    errors = sum(report["results"][v][k]["errors"] for v in VARIANTS for k in report["results"][v])
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
