@@ -4,12 +4,14 @@ Each runs the gateway's own ``Complete`` (whole) or ``Generate`` (streamed)
 in-process. A stream's reply starts only once its first message is there, so
 a request refused before any token (a bad key, an unknown template, a limit)
 still gets its error status; an error after that ends the stream with an
-``error`` event. The stream ends with ``data: [DONE]``; a client that leaves
-mid-stream ends the call, which cancels the engine's request.
+``error`` event. The stream ends with ``data: [DONE]``. A client that leaves
+before its reply (streamed or whole) ends the call, which cancels the
+engine's request.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -45,10 +47,13 @@ async def _complete(request: Request, body, chat: bool, want_logprobs: bool):
             model = _served_model(service, call, body.model)
             return model, service.Complete(generate_request(body), call)
 
+        watch = asyncio.ensure_future(_end_on_disconnect(request, call))
         try:
             model, reply = await relay.call(call, whole)
         except Exception as exc:
             raise api_error(exc) from exc
+        finally:
+            watch.cancel()
         return JSONResponse(completion_body(reply, chat, model, want_logprobs, token_text))
 
     include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -66,6 +71,13 @@ async def _complete(request: Request, body, chat: bool, want_logprobs: bool):
     except Exception as exc:
         raise api_error(exc) from exc
     return EventSourceResponse(_events(chunks, first, stream), ping=15, send_timeout=30)
+
+
+async def _end_on_disconnect(request: Request, call: LocalCall) -> None:
+    """Ends the call when its client leaves before the whole reply (its body was read: what comes next is that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    call.end()
 
 
 async def _events(chunks: Chunks, first, stream: AsyncIterator) -> AsyncIterator[ServerSentEvent]:

@@ -64,7 +64,10 @@ class HttpServer:
         return f"{host}:{self.port}"
 
     def _serve(self) -> None:
-        self.server.run(sockets=[self.socket])
+        try:
+            self.server.run(sockets=[self.socket])
+        except BaseException:  # the gRPC API goes on; say why the HTTP one stopped
+            log.exception("the HTTP API stopped", extra={"http": self.address})
 
     def start(self) -> None:
         self.thread.start()

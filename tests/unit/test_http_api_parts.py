@@ -1,0 +1,138 @@
+"""The HTTP API's pure parts: request bodies, their translation to the gateway's
+request, replies in OpenAI's shapes, statuses, and the cache key's routing."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from pydantic import ValidationError
+
+from gateway.http_api.calls import CallFailed, LocalCall, api_error
+from gateway.http_api.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.http_api.translate import Chunks, completion_body, generate_request
+from gateway.router import RouteKey, Router, RouterConfig, rendezvous
+from gateway.service import cache_key_member
+from gateway.templates import TemplateExists, TemplateNotFound
+from gateway.tenants import LimitExceeded
+from kvd_api.engine.v1 import engine_pb2 as epb
+from kvd_api.gateway.v1 import gateway_pb2 as pb
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("n", 2), ("tools", [{"type": "function"}]), ("frequency_penalty", 0.5), ("presence_penalty", -1),
+     ("response_format", {"type": "json_object"}), ("logit_bias", {"1": 5}), ("tool_choice", "auto"),
+     ("unknown_field", 1), ("temperature", 2.5), ("top_logprobs", 21), ("max_tokens", 0)],
+)  # fmt: skip
+def test_a_chat_field_kvd_does_not_take_is_refused_naming_it(field, value):
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest.model_validate(
+            {**CHAT, field: value, **({"logprobs": True} if field == "top_logprobs" else {})}
+        )
+    assert field in str(info.value)
+
+
+def test_no_op_values_of_unimplemented_fields_pass():
+    body = ChatCompletionRequest.model_validate({**CHAT, "n": 1, "frequency_penalty": 0, "tools": [], "store": False})
+    assert body.n == 1
+
+
+def test_a_completion_takes_one_prompt_of_text_or_token_ids():
+    assert generate_request(CompletionRequest(model="m", prompt="Hi")).text == "Hi"
+    assert list(generate_request(CompletionRequest(model="m", prompt=[1, 2])).token_ids.ids) == [1, 2]
+    assert generate_request(CompletionRequest(model="m", prompt=["Hi"])).text == "Hi"
+    with pytest.raises(ValidationError, match="batch of 2"):
+        CompletionRequest(model="m", prompt=["a", "b"])
+
+
+def test_a_chat_request_becomes_the_gateways_request():
+    body = ChatCompletionRequest.model_validate(
+        {**CHAT, "messages": [{"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "text",
+         "text": "brief."}]}, {"role": "user", "content": "Hi"}], "max_completion_tokens": 5, "temperature": 0.5,
+         "top_p": 0.9, "seed": -1, "stop": "END", "logprobs": True, "top_logprobs": 3, "template": "bot",
+         "prompt_cache_key": "conv-1", "ignore_eos": True, "top_k": 4}
+    )  # fmt: skip
+    out = generate_request(body)
+    assert [(m.role, m.content) for m in out.chat.messages] == [("system", "Be brief."), ("user", "Hi")]
+    s = out.sampling
+    assert (s.max_new_tokens, s.top_p, s.seed, list(s.stop), s.top_logprobs, s.top_k) == (
+        5,
+        pytest.approx(0.9),
+        2**64 - 1,
+        ["END"],
+        3,
+        4,
+    )
+    assert s.logprobs and s.ignore_eos and out.template == "bot" and out.cache_key == "conv-1"
+
+
+def _reply(text: str, ids: list[int], usage: bool) -> pb.GenerateResponse:
+    out = pb.GenerateResponse(text=text, token_ids=ids, logprobs=[-0.5] * len(ids))
+    if usage:
+        out.finish_reason = epb.FINISH_REASON_LENGTH
+        out.usage.CopyFrom(pb.Usage(prompt_tokens=40, cached_prompt_tokens=32, completion_tokens=2,
+                                    template_tokens=20, host_cached_prompt_tokens=16))  # fmt: skip
+    return out
+
+
+def test_a_whole_reply_has_openais_usage_with_the_caches_share():
+    body = completion_body(_reply("ab", [1, 2], True), chat=True, model="m", want_logprobs=True, token_text=str)
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "ab"}
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert [e["token"] for e in body["choices"][0]["logprobs"]["content"]] == ["1", "2"]
+    usage = body["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (40, 2, 42)
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 32
+    assert usage["kvd"]["template_tokens"] == 20 and usage["kvd"]["host_cached_tokens"] == 16
+
+
+def test_stream_chunks_open_with_the_role_and_end_with_the_finish_and_the_usage():
+    chunks = Chunks(chat=True, model="m", want_logprobs=False, include_usage=True, token_text=str)
+    out = chunks.first() + chunks.of(_reply("a", [1], False)) + chunks.of(_reply("b", [2], True))
+    assert out[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert [c["choices"][0]["delta"].get("content") for c in out[1:3]] == ["a", "b"]
+    assert out[3]["choices"][0]["finish_reason"] == "length" and out[3]["usage"] is None
+    assert out[4]["choices"] == [] and out[4]["usage"]["completion_tokens"] == 2
+    assert len({c["id"] for c in out}) == 1
+
+
+@pytest.mark.parametrize(
+    "exc, status",
+    [(ValueError("temperature must be >= 0"), 400), (TemplateNotFound("template 'x' not found"), 404),
+     (TemplateExists("exists"), 409), (LimitExceeded("max_templates"), 429),
+     (CallFailed(grpc.StatusCode.UNAUTHENTICATED, "unknown API key"), 401),
+     (CallFailed(grpc.StatusCode.PERMISSION_DENIED, "scope"), 403),
+     (CallFailed(grpc.StatusCode.UNAVAILABLE, "no engine"), 503),
+     (CallFailed(grpc.StatusCode.DEADLINE_EXCEEDED, "late"), 504), (RuntimeError("bug"), 500)],
+)  # fmt: skip
+def test_errors_get_the_status_of_their_grpc_code(exc, status):
+    error = api_error(exc)
+    assert error.status == status and error.body()["error"]["message"]
+    if status == 400:
+        assert error.param == "temperature"
+
+
+def test_a_local_call_runs_its_callbacks_once_when_it_ends():
+    call, ran = LocalCall("Bearer k"), []
+    assert call.invocation_metadata() == (("authorization", "Bearer k"),)
+    assert call.add_callback(lambda: ran.append(1))
+    call.end()
+    call.end()
+    assert ran == [1] and not call.is_active() and not call.add_callback(lambda: ran.append(2))
+    with pytest.raises(CallFailed):
+        call.abort(grpc.StatusCode.NOT_FOUND, "gone")
+    assert call.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_cache_key_routes_to_one_replica_within_its_tenant():
+    replicas = ["10.0.0.1:50052", "10.0.0.2:50052", "10.0.0.3:50052"]
+    router = Router(RouterConfig(policy="affinity"))
+    router.set_replicas(replicas)
+    for address in replicas:
+        router.set_serving(address, True)
+    key = cache_key_member("acme", "conv-7")
+    assert {router.choose(RouteKey(template=key)) for _ in range(5)} == {rendezvous(key.encode(), replicas)[0]}
+    assert cache_key_member("globex", "conv-7") != key  # tenants' keys never meet
+    assert cache_key_member("acme", "bot") != "acme/bot"  # nor a template's (':' is in no template name)
