@@ -291,3 +291,8 @@ def test_a_dropped_stream_frees_its_blocks_and_its_slot(stack, client, model_nam
             stream.__exit__(None, None, None)
     assert wait_for(lambda: blocks_held(daemon) == 0, 10), blocks_held(daemon)
     assert client.completions.create(model=model_name, prompt="Hi", max_tokens=1).usage.completion_tokens == 1
+    # A whole (unstreamed) reply's client that gives up: the same.
+    impatient = httpx.Client(base_url=base, headers=headers, timeout=httpx.Timeout(120, read=2))
+    with impatient, pytest.raises(httpx.ReadTimeout):
+        impatient.post("/completions", json={**body, "stream": False})
+    assert wait_for(lambda: blocks_held(daemon) == 0, 10), blocks_held(daemon)
