@@ -84,24 +84,32 @@ def header(block_hash: bytes, payload: memoryview) -> bytes:
     return _HEADER.pack(MAGIC, FORMAT_VERSION, 0, payload.nbytes, checksum, len(block_hash)) + block_hash
 
 
-def verify(data: memoryview, block_hash: bytes, payload_bytes: int) -> memoryview:
-    """The payload of a whole file read into ``data``, checked.
+def header_size(block_hash: bytes) -> int:
+    return _HEADER.size + len(block_hash)
+
+
+def check_header(head: memoryview, block_hash: bytes, payload_bytes: int) -> int:
+    """The payload's checksum, from a file's first ``header_size`` bytes, checked.
 
     Raises:
-        CorruptBlock: a short file, another magic or version, another hash,
-            another size, or a checksum that does not match.
+        CorruptBlock: a short header, another magic or version, another hash
+            or another payload size.
     """
-    if data.nbytes < _HEADER.size:
-        raise CorruptBlock(f"{data.nbytes} bytes: shorter than a header")
-    magic, version, _, size, checksum, hash_len = _HEADER.unpack_from(data)
+    if head.nbytes < header_size(block_hash):
+        raise CorruptBlock(f"{head.nbytes} bytes: shorter than a header")
+    magic, version, _, size, checksum, hash_len = _HEADER.unpack_from(head)
     if magic != MAGIC or version != FORMAT_VERSION:
         raise CorruptBlock(f"magic {magic!r} version {version}: not a v{FORMAT_VERSION} block file")
-    start = _HEADER.size + hash_len
-    if bytes(data[_HEADER.size : start]) != block_hash:
+    if hash_len != len(block_hash) or bytes(head[_HEADER.size :]) != block_hash:
         raise CorruptBlock("the file holds another block hash than its name")
-    if size != payload_bytes or data.nbytes != start + size:
-        raise CorruptBlock(f"payload of {data.nbytes - start} bytes; header: {size}, the cache's: {payload_bytes}")
-    payload = data[start:]
+    if size != payload_bytes:
+        raise CorruptBlock(f"a payload of {size} bytes; the cache's are {payload_bytes}")
+    return checksum
+
+
+def check_payload(payload: memoryview, got: int, checksum: int) -> None:
+    """Raises CorruptBlock unless ``got`` bytes filled ``payload`` and their checksum matches."""
+    if got != payload.nbytes:
+        raise CorruptBlock(f"{got} payload bytes where {payload.nbytes} belong")
     if xxhash.xxh3_64_intdigest(payload) != checksum:
         raise CorruptBlock("checksum mismatch")
-    return payload

@@ -209,10 +209,7 @@ class DiskTier:
             )
 
     def _read(self, jobs: list[tuple[HostSlot, bytes]]) -> None:
-        buffer = bytearray(self.store.payload_bytes + 4096)
-        results = [
-            self.store.read_into(block_hash, memoryview(self._bytes[slot.slot_id]), buffer) for slot, block_hash in jobs
-        ]
+        results = self.store.read_batch([(h, memoryview(self._bytes[slot.slot_id])) for slot, h in jobs])
         with self._lock:
             failed = []
             for (slot, block_hash), ok in zip(jobs, results, strict=True):

@@ -28,7 +28,7 @@ def block(i: int) -> tuple[bytes, bytes]:
 
 def read(store: DiskStore, block_hash: bytes) -> bytes | None:
     out = bytearray(PAYLOAD)
-    ok = store.read_into(block_hash, memoryview(out), bytearray(PAYLOAD + 4096))
+    (ok,) = store.read_batch([(block_hash, memoryview(out))])
     return bytes(out) if ok else None
 
 
