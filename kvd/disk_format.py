@@ -15,7 +15,12 @@ the block hash (its cache salt and extra keys are hashed into every block).
 One block's file::
 
     magic "KVDB" | version u16 | reserved u16 | payload bytes u64 |
-    xxh3-64 of the payload u64 | block hash length u16 | block hash | payload
+    xxh3-64 of the payload u64 | block hash length u16 | block hash |
+    zeros to 4,096 bytes | payload
+
+The header fills a page so that the payload starts page-aligned: a block
+whose size is a multiple of the page is read with O_DIRECT, straight from
+the disk as ``dd iflag=direct`` reads (kvd/disk_store.py).
 
 A file becomes visible (renamed into place) only after its bytes were written
 and fsynced, so a crash leaves either nothing or a whole file; the checksum,
@@ -40,6 +45,8 @@ MAGIC = b"KVDB"
 SUFFIX = ".kvb"
 TMP_FOLDER = ".tmp"
 _HEADER = struct.Struct("<4sHHQQH")
+#: The header's bytes on disk, padding included: one page.
+HEADER_BYTES = 4096
 
 
 class CorruptBlock(ValueError):
@@ -75,32 +82,29 @@ def hash_of(name: str) -> bytes | None:
 
 def file_size(block_hash: bytes, payload_bytes: int) -> int:
     """The size a complete file of this block has (a shorter one is torn)."""
-    return _HEADER.size + len(block_hash) + payload_bytes
+    return HEADER_BYTES + payload_bytes
 
 
 def header(block_hash: bytes, payload: memoryview) -> bytes:
     """The bytes written before the payload."""
     checksum = xxhash.xxh3_64_intdigest(payload)
-    return _HEADER.pack(MAGIC, FORMAT_VERSION, 0, payload.nbytes, checksum, len(block_hash)) + block_hash
-
-
-def header_size(block_hash: bytes) -> int:
-    return _HEADER.size + len(block_hash)
+    packed = _HEADER.pack(MAGIC, FORMAT_VERSION, 0, payload.nbytes, checksum, len(block_hash)) + block_hash
+    return packed.ljust(HEADER_BYTES, b"\0")
 
 
 def check_header(head: memoryview, block_hash: bytes, payload_bytes: int) -> int:
-    """The payload's checksum, from a file's first ``header_size`` bytes, checked.
+    """The payload's checksum, from a file's first ``HEADER_BYTES``, checked.
 
     Raises:
         CorruptBlock: a short header, another magic or version, another hash
             or another payload size.
     """
-    if head.nbytes < header_size(block_hash):
+    if head.nbytes < HEADER_BYTES:
         raise CorruptBlock(f"{head.nbytes} bytes: shorter than a header")
     magic, version, _, size, checksum, hash_len = _HEADER.unpack_from(head)
     if magic != MAGIC or version != FORMAT_VERSION:
         raise CorruptBlock(f"magic {magic!r} version {version}: not a v{FORMAT_VERSION} block file")
-    if hash_len != len(block_hash) or bytes(head[_HEADER.size :]) != block_hash:
+    if hash_len != len(block_hash) or bytes(head[_HEADER.size : _HEADER.size + hash_len]) != block_hash:
         raise CorruptBlock("the file holds another block hash than its name")
     if size != payload_bytes:
         raise CorruptBlock(f"a payload of {size} bytes; the cache's are {payload_bytes}")

@@ -18,18 +18,26 @@ Thread-safe: the writer and reader threads and the daemon's lookups share it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
+import mmap
 import os
 import shutil
 import threading
 import time
 import uuid
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvd import disk_format
 
 log = logging.getLogger("kvd.disk")
+
+#: Block files read at once by a load: a disk serves several queued reads
+#: faster than one at a time (measured: benchmarks/offload.py --workload
+#: restart, docs/benchmarks.md); the reads release the GIL.
+READ_THREADS = 8
 
 
 class DiskStore:
@@ -60,6 +68,11 @@ class DiskStore:
         self.bytes_read = 0
         self.seconds_reading = 0.0
         self.rebuild_seconds = 0.0
+        self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvd-disk-read")
+        # O_DIRECT needs page-aligned offsets and lengths: the header is a
+        # page, the payload must be whole pages. Off after a filesystem refuses it (tmpfs).
+        self._direct = hasattr(os, "O_DIRECT") and payload_bytes % mmap.PAGESIZE == 0
+        self._local = threading.local()  # each read thread's page-aligned buffer
         self._open(remove_others)
 
     # ------------------------------------------------------------ start
@@ -210,37 +223,31 @@ class DiskStore:
     def read_batch(self, jobs: list[tuple[bytes, memoryview]]) -> list[bool]:
         """Reads each block's payload into its ``out`` (``payload_bytes``), verified.
 
-        Every file's read is started at once (POSIX_FADV_WILLNEED: the disk
-        sees them all queued, not one small readahead at a time), then each
-        is read in order straight into its ``out``.
+        READ_THREADS threads read them, with O_DIRECT where the filesystem
+        allows it (else every file's read is started at once first,
+        POSIX_FADV_WILLNEED, so the disk sees them queued, not one small
+        readahead at a time).
 
         Returns: per job, False when the block is gone, or its file was torn
         or corrupt (then removed and counted: the block is recomputed).
         """
         started = time.perf_counter()
-        for block_hash, _ in jobs:
+        for block_hash, _ in jobs if not self._direct else ():
             with contextlib.suppress(OSError):  # a missing file is found by its read
                 fd = os.open(self.folder / disk_format.file_name(block_hash), os.O_RDONLY)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
                 os.close(fd)
-        results = [self._read_into(block_hash, out) for block_hash, out in jobs]
+        results = list(self._readers.map(lambda job: self._read_into(*job), jobs))
         with self._lock:
             self.seconds_reading += time.perf_counter() - started
         return results
 
     def _read_into(self, block_hash: bytes, out: memoryview) -> bool:
         path = self.folder / disk_format.file_name(block_hash)
-        head = memoryview(bytearray(disk_format.header_size(block_hash)))
         try:
-            with open(path, "rb", buffering=0) as file:
-                checksum = disk_format.check_header(head[: _read_all(file, head)], block_hash, self.payload_bytes)
-                got = _read_all(file, out)
-                if file.read(1):
-                    raise disk_format.CorruptBlock("longer than its header says")
-                # NOTE: its bytes live in the host tier now; the page cache
-                # need not keep a second copy (nor make the next read look fast).
-                os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-                disk_format.check_payload(out, got, checksum)
+            got = self._read_direct(path, block_hash, out) if self._direct else 0
+            if not got:
+                got = self._read_buffered(path, block_hash, out)
             os.utime(path)  # read now: the last to be evicted, after a restart too
         except FileNotFoundError:
             self._forget(block_hash)
@@ -255,14 +262,68 @@ class DiskStore:
         with self._lock:
             if block_hash in self.index:
                 self.index.move_to_end(block_hash)
-            self.bytes_read += head.nbytes + got
+            self.bytes_read += got
         return True
+
+    def _read_direct(self, path: Path, block_hash: bytes, out: memoryview) -> int:
+        """Reads the file with O_DIRECT (no page cache) into this thread's
+        aligned buffer, checks it, copies the payload out; returns the file's
+        bytes (0: the filesystem refuses O_DIRECT, read it buffered)."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            self._direct = False
+            return 0
+        try:
+            view = self._buffer()
+            got = 0
+            while got < view.nbytes:
+                n = os.preadv(fd, [view[got:]], got)
+                got += n
+                if n == 0 or got % mmap.PAGESIZE:  # the end of the file
+                    break
+        finally:
+            os.close(fd)
+        size = disk_format.file_size(block_hash, self.payload_bytes)
+        if got != size:
+            raise disk_format.CorruptBlock(f"{got} bytes where {size} belong")
+        checksum = disk_format.check_header(view[: disk_format.HEADER_BYTES], block_hash, self.payload_bytes)
+        payload = view[disk_format.HEADER_BYTES : size]
+        disk_format.check_payload(payload, payload.nbytes, checksum)
+        out[:] = payload
+        return got
+
+    def _buffer(self) -> memoryview:
+        """This thread's page-aligned buffer: a file and a page more (a longer file shows)."""
+        buffer = getattr(self._local, "buffer", None)
+        if buffer is None:
+            size = disk_format.HEADER_BYTES + self.payload_bytes + mmap.PAGESIZE
+            buffer = self._local.buffer = memoryview(mmap.mmap(-1, size))
+        return buffer
+
+    def _read_buffered(self, path: Path, block_hash: bytes, out: memoryview) -> int:
+        head = memoryview(bytearray(disk_format.HEADER_BYTES))
+        with open(path, "rb", buffering=0) as file:
+            checksum = disk_format.check_header(head[: _read_all(file, head)], block_hash, self.payload_bytes)
+            got = _read_all(file, out)
+            if file.read(1):
+                raise disk_format.CorruptBlock("longer than its header says")
+            # NOTE: its bytes live in the host tier now; the page cache
+            # need not keep a second copy (nor make the next read look fast).
+            os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            disk_format.check_payload(out, got, checksum)
+        return head.nbytes + got
 
     def _forget(self, block_hash: bytes) -> None:
         with self._lock:
             size = self.index.pop(block_hash, None)
             if size is not None:
                 self.used_bytes -= size
+
+    def close(self) -> None:
+        self._readers.shutdown(wait=True)
 
     def clear(self) -> list[bytes]:
         """Removes every block of this fingerprint; returns their hashes."""

@@ -236,3 +236,4 @@ class DiskTier:
         self._reads.put(None)
         for thread in self._threads:
             thread.join(timeout=10)
+        self.store.close()

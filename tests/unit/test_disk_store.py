@@ -36,8 +36,11 @@ def store_at(root: Path, budget_blocks: int = 100, fingerprint: str = "f" * 32, 
     return DiskStore(root, fingerprint, PAYLOAD, budget_blocks * FILE, **kw)
 
 
-def test_a_block_written_is_read_back_the_same(tmp_path):
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
+def test_a_block_written_is_read_back_the_same(tmp_path, direct):
     store = store_at(tmp_path)
+    assert store._direct  # a page-sized payload on a disk: read with O_DIRECT unless told not to
+    store._direct = direct
     h, data = block(1)
     store.write(h, memoryview(data))
     assert store.holds(h)
@@ -61,9 +64,11 @@ def test_the_index_is_rebuilt_from_the_folder_in_lru_order(tmp_path):
     assert again.used_bytes == 3 * FILE
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
 @pytest.mark.parametrize("damage", ["truncate", "flip", "longer", "header"])
-def test_a_torn_or_corrupt_file_is_dropped_not_served(tmp_path, damage):
+def test_a_torn_or_corrupt_file_is_dropped_not_served(tmp_path, damage, direct):
     store = store_at(tmp_path)
+    store._direct = direct
     h, data = block(7)
     store.write(h, memoryview(data))
     path = store.folder / disk_format.file_name(h)
@@ -80,6 +85,9 @@ def test_a_torn_or_corrupt_file_is_dropped_not_served(tmp_path, damage):
     if damage in ("truncate", "longer"):  # the size tells at start already
         store = store_at(tmp_path)
         assert not store.holds(h) and store.num_corrupt == 1
+        path.write_bytes(bytes(raw))  # as if it had been damaged after the start: the read tells too
+        store.index[h] = FILE
+        assert read(store, h) is None and store.num_corrupt == 2
     else:
         assert read(store, h) is None
         assert store.num_corrupt == 1 and not store.holds(h)
