@@ -67,12 +67,16 @@ class GatewayClient:
         chat: Sequence[tuple[str, str]] = (),
         template: str = "",
         cache_salt: bytes = b"",
+        cache_key: str = "",
         **sampling,
     ) -> pb.GenerateRequest:
         """A request: ``prompt`` as text or token ids, or ``chat`` as (role,
-        content) pairs; ``sampling`` takes the SamplingParams fields
-        (max_new_tokens, temperature, top_p, top_k, seed, stop, ignore_eos, ...)."""
-        request = pb.GenerateRequest(template=template, cache_salt=cache_salt, sampling=epb.SamplingParams(**sampling))
+        content) pairs; ``cache_key`` keeps requests sharing it on one replica;
+        ``sampling`` takes the SamplingParams fields (max_new_tokens,
+        temperature, top_p, top_k, seed, stop, ignore_eos, ...)."""
+        request = pb.GenerateRequest(
+            template=template, cache_salt=cache_salt, cache_key=cache_key, sampling=epb.SamplingParams(**sampling)
+        )
         if chat:
             request.chat.messages.extend(epb.ChatMessage(role=r, content=c) for r, c in chat)
         elif isinstance(prompt, str):
