@@ -60,9 +60,8 @@ def documents(seed: int, count: int, tokens: int = DOC_TOKENS) -> list[list[int]
     return [[rng.randrange(100, 40000) for _ in range(tokens + rng.randrange(3, 9))] for _ in range(count)]
 
 
-def block_files(disk: Path, ids: list[int], salt: bytes = b"") -> list[Path]:
-    """The files the prompt's full blocks have under the folder's one fingerprint."""
-    (folder,) = [p for p in disk.iterdir() if p.is_dir()]
+def block_files(folder: Path, ids: list[int], salt: bytes = b"") -> list[Path]:
+    """The files of the prompt's full blocks in a fingerprint's ``folder``."""
     hashes = BlockHasher(encode_extra_keys(salt, ()), BLOCK).advance(pack_tokens(ids))
     return [folder / disk_format.file_name(h) for h in hashes]
 
@@ -93,7 +92,7 @@ def stats(daemon):
 def first_life(model_dir, reference):
     """A stack that prefilled the documents (the last one also as tenant A),
     wrote them all to disk, then took a burst of new prompts and was SIGKILLed
-    amid their writes. Yields (disk folder, documents, burst prompts)."""
+    amid their writes. Yields (disk folder, its one fingerprint's folder, documents, burst prompts)."""
     workdir = tempfile.mkdtemp(prefix="kvd-disk-", dir="/tmp")
     disk = Path(workdir) / "disk"
     docs = documents(seed=1, count=DOCS)
@@ -111,7 +110,8 @@ def first_life(model_dir, reference):
     wait_for(lambda: stats(daemon).disk_writes > full_blocks, 10, interval_s=0.001)
     daemon.stop(signal.SIGKILL)
     engine.stop(signal.SIGKILL)
-    yield disk, docs, burst
+    (folder,) = disk.iterdir()
+    yield disk, folder, docs, burst
     shutil.rmtree(workdir, ignore_errors=True)
 
 
@@ -119,12 +119,12 @@ def first_life(model_dir, reference):
 def second_life(first_life, model_dir):
     """The same folder after the SIGKILL, with document 1's third block file
     corrupted and document 2's first block file cut short."""
-    disk, docs, _ = first_life
-    corrupt = block_files(disk, docs[1])[2]
+    disk, folder, docs, _ = first_life
+    corrupt = block_files(folder, docs[1])[2]
     raw = bytearray(corrupt.read_bytes())
     raw[-10] ^= 0xFF
     corrupt.write_bytes(bytes(raw))
-    torn = block_files(disk, docs[2])[0]
+    torn = block_files(folder, docs[2])[0]
     torn.write_bytes(torn.read_bytes()[:1000])
     workdir = tempfile.mkdtemp(prefix="kvd-disk-", dir="/tmp")
     daemon, engine = stack(workdir, disk, model_dir, 64, 64)
@@ -135,7 +135,7 @@ def second_life(first_life, model_dir):
 
 
 def test_after_sigkill_the_same_prompts_come_from_disk_token_exact(first_life, second_life, reference):
-    disk, docs, burst = first_life
+    _, _, docs, burst = first_life
     daemon, engine = second_life
     before = stats(daemon)
     assert before.num_disk_blocks >= sum(len(ids) // BLOCK for ids in docs) - 1  # the torn one dropped at start
@@ -157,7 +157,7 @@ def test_after_sigkill_the_same_prompts_come_from_disk_token_exact(first_life, s
 
 
 def test_another_tenants_blocks_on_disk_are_no_hits(first_life, second_life, reference):
-    _, docs, _ = first_life
+    _, _, docs, _ = first_life
     daemon, engine = second_life
     tokens, usage = ask(engine, docs[-1], TENANT_B)
     assert tokens == reference(docs[-1])
@@ -168,7 +168,7 @@ def test_another_tenants_blocks_on_disk_are_no_hits(first_life, second_life, ref
 
 
 def test_another_layout_on_the_same_folder_serves_nothing_of_it(first_life, model_dir, reference):
-    disk, docs, _ = first_life
+    disk, _, docs, _ = first_life
     workdir = tempfile.mkdtemp(prefix="kvd-disk-", dir="/tmp")
     before = {p.name for p in disk.iterdir()}
     daemon = start_daemon(
@@ -246,9 +246,8 @@ def test_a_full_disk_stops_writes_and_serving_goes_on(model_dir, reference):
 
 
 def test_events_metrics_and_lookup_report_the_disk_tier(first_life, second_life):
-    disk, docs, _ = first_life
+    _, folder, docs, _ = first_life
     daemon, _ = second_life
-    folder = block_files(disk, docs[0])[0].parent.parent
     on_disk = {p.stem for p in folder.rglob("*.kvb")}
     with DaemonClient.connect(daemon.address) as client:
         snapshot = []
