@@ -172,19 +172,24 @@ build_images() {
         build_args+=(--build-arg TORCH_INDEX=)
     fi
     mapfile -t mounts < <(pip_build_mounts)
-    build_args+=(--layers --label "$LABEL" -f deploy/Dockerfile)
+    build_args+=(--layers --label "$LABEL" -f "$ROOT/deploy/Dockerfile")
+    # The context: a snapshot of what the image takes (Dockerfile.dockerignore's
+    # list), so that both builds below see the same files while the tree may change.
+    mkdir "$WORK/context"
+    tar -C "$ROOT" --exclude=__pycache__ -cf - $(sed -n 's/^!//p' deploy/Dockerfile.dockerignore) |
+        tar -C "$WORK/context" -xf -
     log "building deploy/Dockerfile (base $base)"
     local t0=$SECONDS
     # The build stage with pip's configuration mounted; then the whole image without
     # (the build stage comes from the layers just made), so the final stage's steps
     # leave no mount point behind in the image.
-    podman build "${build_args[@]}" "${mounts[@]}" --target build -t "$TAG/kvd:build" . \
+    podman build "${build_args[@]}" "${mounts[@]}" --target build -t "$TAG/kvd:build" "$WORK/context" \
         >"$WORK/build.log" 2>&1 || { tail -40 "$WORK/build.log" >&2; return 1; }
-    podman build "${build_args[@]}" -t "$TAG/kvd:cpu" . >>"$WORK/build.log" 2>&1 ||
+    podman build "${build_args[@]}" -t "$TAG/kvd:cpu" "$WORK/context" >>"$WORK/build.log" 2>&1 ||
         { tail -40 "$WORK/build.log" >&2; return 1; }
     BUILD_S=$((SECONDS - t0))
     t0=$SECONDS
-    podman build "${build_args[@]}" -t "$TAG/kvd:cpu" . >"$WORK/rebuild.log" 2>&1 ||
+    podman build "${build_args[@]}" -t "$TAG/kvd:cpu" "$WORK/context" >"$WORK/rebuild.log" 2>&1 ||
         { tail -40 "$WORK/rebuild.log" >&2; return 1; }
     REBUILD_S=$((SECONDS - t0))
     log "kvd image built in ${BUILD_S}s; built again at once in ${REBUILD_S}s," \
