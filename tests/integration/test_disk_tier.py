@@ -8,7 +8,8 @@ must equal ``model.generate``'s exactly).
   get nothing from those blocks;
 - a workload larger than the device and host tiers cycles through the disk,
   token-exact, and leaves nothing held;
-- a full disk (a small tmpfs) stops writes with one warning; serving goes on.
+- a full disk (a small tmpfs) stops writes with one warning; serving goes on;
+- a template pinned through the gateway is re-warmed from disk after a daemon SIGKILL.
 """
 
 from __future__ import annotations
@@ -25,13 +26,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from gateway.client import GatewayClient
 from inference import model_store
 from kvd import disk_format
 from kvd.client import DaemonClient
 from kvd.hashing import BlockHasher, encode_extra_keys, pack_tokens
 from kvd_api.daemon.v1 import daemon_pb2 as pb
-from tests.conftest import blocks_held, start_daemon, start_engine, wait_for
+from tests.conftest import blocks_held, start_daemon, start_engine, start_gateway, wait_for
 from tests.integration.engine_client import generate, reference_greedy, request, stub
+from tests.integration.gateway_client import completion
 from tests.integration.test_offload import churn, settled
 
 NEW_TOKENS = 4
@@ -265,3 +268,36 @@ def test_events_metrics_and_lookup_report_the_disk_tier(first_life, second_life)
     text = urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics", timeout=5).read().decode()
     assert f"kvd_disk_blocks {float(stats(daemon).num_disk_blocks)}" in text
     assert 'kvd_tier_hit_tokens_total{tier="disk"}' in text and "kvd_disk_corrupt_blocks_total 2.0" in text
+
+
+TEMPLATE = (
+    "You are the archivist of the harbour office. You answer questions about ship arrivals, berth fees, "
+    "tides and the storage of cargo politely and briefly, quoting the register where you can. "
+) * 4
+
+
+def test_a_pinned_template_comes_back_warm_from_disk_after_a_daemon_sigkill(stack_factory, workdir):
+    disk_args = ["--host-num-blocks", "64", "--disk-path", f"{workdir}/disk", "--disk-budget", "1GiB"]
+    engine = stack_factory(daemon_args=disk_args)
+    gw = start_gateway(engine.address, ["--data-dir", f"{workdir}/gateway-data"], workdir)
+
+    def pins() -> int:
+        return stats(engine.daemon).num_pins
+
+    try:
+        with GatewayClient(gw.address, timeout_s=60) as client:
+            expected = client.create_template("archive", TEMPLATE).cached_token_count
+        assert expected >= 4 * BLOCK and pins() == 1
+        assert wait_for(lambda: stats(engine.daemon).num_disk_blocks >= expected // BLOCK, 20)
+        folder = engine.daemon.socket_path.rsplit("/", 1)[0]
+        engine.daemon.stop(signal.SIGKILL)
+        engine.daemon = start_daemon(["--block-size", str(BLOCK), "--lease-s", "2", *disk_args], folder)
+        assert wait_for(lambda: pins() == 1, 60), f"not re-pinned after the daemon restart: {gw.log()}"
+        after = stats(engine.daemon)
+        assert after.disk_hit_tokens >= expected, "the template was recomputed, not read back from disk"
+        with GatewayClient(gw.address, timeout_s=60) as client:
+            usage = completion(client, " Which berth?", template="archive", max_new_tokens=1)[1]
+        assert usage.cached_prompt_tokens >= expected
+    finally:
+        gw.stop()
+        engine.daemon.stop()
