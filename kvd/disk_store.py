@@ -147,21 +147,21 @@ class DiskStore:
 
     # ------------------------------------------------------------ writing
 
-    def write(self, block_hash: bytes, payload: memoryview) -> list[bytes]:
+    def write(self, block_hash: bytes, payload: memoryview) -> list[bytes] | None:
         """Writes one block's file, visible only once complete and fsynced.
 
-        Returns: the hashes evicted to make room (the block itself is in the
-        index on return unless it does not fit the budget at all).
+        Returns: the hashes evicted to make room; None when nothing was
+        written (the block is here already, or larger than the whole budget).
 
         Raises:
             OSError: the disk is full or failed; nothing of the block is left.
         """
         size = disk_format.file_size(block_hash, payload.nbytes)
         if size > self.budget_bytes:
-            return []
+            return None
         with self._lock:
             if block_hash in self.index:
-                return []
+                return None
             evicted = self._make_room(size)
         tmp = self.folder / disk_format.TMP_FOLDER / uuid.uuid4().hex
         target = self.folder / disk_format.file_name(block_hash)
@@ -189,9 +189,11 @@ class DiskStore:
             self.bytes_written += size
         return evicted
 
-    def sync_folders(self) -> None:
-        """Makes the renames so far durable (after a batch of writes)."""
-        for path in {self.folder, *(p for p in self.folder.iterdir() if p.is_dir())}:
+    def sync_folders(self, block_hashes: list[bytes]) -> None:
+        """Makes the renames of a batch of writes durable: their folders, and
+        the fingerprint's folder (which may have gained one)."""
+        folders = {(self.folder / disk_format.file_name(h)).parent for h in block_hashes}
+        for path in (*folders, self.folder):
             fd = os.open(path, os.O_RDONLY)
             try:
                 os.fsync(fd)
@@ -280,7 +282,13 @@ class DiskStore:
             view = self._buffer()
             got = 0
             while got < view.nbytes:
-                n = os.preadv(fd, [view[got:]], got)
+                try:
+                    n = os.preadv(fd, [view[got:]], got)
+                except OSError as exc:  # some filesystems refuse O_DIRECT only when read
+                    if exc.errno != errno.EINVAL:
+                        raise
+                    self._direct = False
+                    return 0
                 got += n
                 if n == 0 or got % mmap.PAGESIZE:  # the end of the file
                     break

@@ -175,13 +175,16 @@ class DiskTier:
             if error is not None:
                 break
             try:
-                evicted += self.store.write(block_hash, memoryview(self._bytes[slot.slot_id]))
-                written.append(block_hash)
+                gone = self.store.write(block_hash, memoryview(self._bytes[slot.slot_id]))
             except OSError as exc:
                 error = exc
+                continue
+            if gone is not None:
+                evicted += gone
+                written.append(block_hash)
         if written and error is None:
             try:
-                self.store.sync_folders()
+                self.store.sync_folders(written)
             except OSError as exc:
                 error = exc
         with self._lock:
