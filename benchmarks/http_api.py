@@ -68,7 +68,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--min-requests", type=int, help="requests per variant and round at least (default 8; quick 4)")
     p.add_argument("--prompt-tokens", type=int, help="default 128; quick 32")
     p.add_argument("--new-tokens", type=int, help="default 64; quick 16")
-    p.add_argument("--rounds", type=int, help="interleaved rounds per concurrency (default 2; quick 1)")
+    p.add_argument("--rounds", type=int, help="turns per concurrency (default 2, quick too)")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--model", default="smollm2")
     return p.parse_args(argv)
@@ -166,7 +166,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     per_client = args.requests_per_client or (1 if quick else 2)
     prompt_len = args.prompt_tokens or (32 if quick else 128)
     new_tokens = args.new_tokens or (16 if quick else 64)
-    rounds = args.rounds or (1 if quick else 2)
+    rounds = args.rounds or 2
     least = args.min_requests or (4 if quick else 8)  # one client's single request would be all noise
     batch_size = {c: max(c * per_client, least) for c in levels}
     model_dir = model_store.resolve_model(args.model, model_store.default_cache_dir())
