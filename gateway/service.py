@@ -28,6 +28,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from gateway.keeper import TemplateKeeper
 from gateway.prompts import own_ids, template_ids, templated_ids
 from gateway.replicas import ReplicaPool, engine_error, remaining_s
+from gateway.request_checks import check_create, check_generate, check_list, check_update
 from gateway.router import NoReplica, RouteKey
 from gateway.template_cache import TemplateCache
 from gateway.templates import (
@@ -36,9 +37,7 @@ from gateway.templates import (
     TemplateExists,
     TemplateNotFound,
     TemplateStore,
-    check_description,
     check_name,
-    check_ttl,
     warm_member,
 )
 from gateway.tenants import (
@@ -60,8 +59,6 @@ from kvd_api.gateway.v1 import gateway_pb2_grpc as pb_grpc
 log = logging.getLogger("gateway.service")
 
 VERSION = "0.1.0"
-MAX_CACHE_SALT = 256
-MAX_CACHE_KEY = 256
 # A template's warming prefill, for a caller that set no deadline.
 WARM_TIMEOUT_S = 120.0
 
@@ -359,60 +356,7 @@ def _timestamp(seconds: float) -> Timestamp:
     return stamp
 
 
-# ------------------------------------------------- the requests' own fields
-# Each check raises ValueError whose message starts with the field's name (the
-# service turns it into INVALID_ARGUMENT). Fields whose limits only an engine
-# knows (token ids against its vocabulary, sampling values, lengths against its
-# context) are checked by the engine, which names them the same way.
-
-
-def check_generate(request: pb.GenerateRequest) -> None:
-    kind = request.WhichOneof("prompt")
-    if kind is None and not request.template:
-        raise ValueError("prompt: give text, chat messages or token ids (or a template)")
-    if request.template:
-        check_name(request.template, "template")
-    if kind == "chat":
-        if not request.chat.messages:
-            raise ValueError("chat.messages is empty")
-        for i, message in enumerate(request.chat.messages):
-            if not message.role:
-                raise ValueError(f"chat.messages[{i}].role is empty")
-    if kind == "token_ids" and not request.token_ids.ids and not request.template:
-        raise ValueError("token_ids.ids is empty")
-    if len(request.cache_salt) > MAX_CACHE_SALT:
-        raise ValueError(f"cache_salt is {len(request.cache_salt)} bytes; at most {MAX_CACHE_SALT}")
-    if len(request.cache_key) > MAX_CACHE_KEY:
-        raise ValueError(f"cache_key is {len(request.cache_key)} characters; at most {MAX_CACHE_KEY}")
-
-
 def cache_key_member(tenant: str, cache_key: str) -> str:
     """The router's key for a request's cache key: ':' is in no template name,
     so it never meets a template's, and the tenant keeps tenants' keys apart."""
     return f"{tenant}/:key:{cache_key}"
-
-
-def check_create(request: pb.CreateTemplateRequest) -> None:
-    check_name(request.name)
-    if not request.content and not request.messages:
-        raise ValueError("content must not be empty (or give messages: a chat template)")
-    if request.content and request.messages:
-        raise ValueError("content, messages: give the template's content or its messages, not both")
-    for i, message in enumerate(request.messages):
-        if not message.role:
-            raise ValueError(f"messages[{i}].role is empty")
-    check_ttl(request.ttl_seconds)
-    check_description(request.description)
-
-
-def check_update(request: pb.UpdateTemplateRequest) -> None:
-    check_name(request.name)
-    if request.HasField("ttl_seconds"):
-        check_ttl(request.ttl_seconds)
-    if request.HasField("description"):
-        check_description(request.description)
-
-
-def check_list(request: pb.ListTemplatesRequest) -> None:
-    if request.page_size < 0:
-        raise ValueError(f"page_size must be >= 0, got {request.page_size}")

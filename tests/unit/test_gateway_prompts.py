@@ -10,7 +10,8 @@ import pytest
 import redis
 
 from gateway.prompts import own_ids, template_ids, templated_ids
-from gateway.service import _response, check_create
+from gateway.request_checks import check_create
+from gateway.service import _response
 from gateway.template_cache import TemplateCache
 from gateway.templates import Template, TemplateNotFound, TemplateStore
 from gateway.tokenizer import GatewayTokenizer
