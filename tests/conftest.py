@@ -71,6 +71,11 @@ def pytest_addoption(parser):
         help="seconds of churn per stack in tests/integration/test_offload.py (default: two rounds)",
     )
     parser.addoption(
+        "--long",
+        action="store_true",
+        help="also run the tests marked long (soak and overlapping churn variants; make test-long)",
+    )
+    parser.addoption(
         "--families",
         default="",
         help="comma-separated model types for tests/integration/test_model_families.py (default: all)",
@@ -117,9 +122,15 @@ def wait_for_strays(mark: str, timeout_s: float) -> list[psutil.Process]:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` run only where CUDA is available (tests/gpu/run.sh)."""
+    """Tests marked `long` run with --long only (deselected, and counted as such,
+    otherwise); tests marked `gpu` run only where CUDA is available (tests/gpu/run.sh)."""
     import torch
 
+    if not config.getoption("--long"):
+        long_tests = [item for item in items if item.get_closest_marker("long") is not None]
+        if long_tests:
+            config.hook.pytest_deselected(items=long_tests)
+            items[:] = [item for item in items if item.get_closest_marker("long") is None]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; run tests/gpu/run.sh on a GPU machine")
@@ -285,6 +296,38 @@ def model_dir() -> Path:
     return model_store.resolve_model("smollm2", model_store.default_cache_dir())
 
 
+@pytest.fixture(scope="session")
+def tokenizer(model_dir):
+    """The real model's tokenizer."""
+    from inference import model_store
+
+    return model_store.load_tokenizer(model_dir)
+
+
+@pytest.fixture(scope="session")
+def reference_model(model_dir):
+    """The real model in float64 on the CPU: the token-exact reference, loaded once for the run."""
+    import torch
+
+    from inference import model_store
+
+    return model_store.load_model(model_dir, torch.float64, "cpu")
+
+
+def memo_greedy(model, new_tokens: int):
+    """``greedy(ids)``: the reference's greedy continuation, computed once per prompt."""
+    from tests.integration.engine_client import reference_greedy
+
+    memo: dict[tuple[int, ...], list[int]] = {}
+
+    def greedy(ids: list[int]) -> list[int]:
+        if tuple(ids) not in memo:
+            memo[tuple(ids)] = reference_greedy(model, ids, new_tokens)
+        return memo[tuple(ids)]
+
+    return greedy
+
+
 @pytest.fixture
 def stack_factory(daemon_factory, workdir, model_dir):
     """Starts a daemon and an engine on it: ``stack_factory(daemon_args, engine_args)``."""
@@ -323,10 +366,12 @@ def start_gateway(
 
 
 @contextlib.contextmanager
-def gateway_on_local_redis(engines: str, workdir: str, replicas: int, args: Sequence[str] = ()) -> Iterator:
+def gateway_on_local_redis(
+    engines: str, workdir: str, replicas: int, args: Sequence[str] = (), api_key: str | None = None
+) -> Iterator:
     """A gateway over ``engines`` whose keys live under a prefix of its own in
-    the real Redis at 127.0.0.1:6379, yielded once ``replicas`` of them serve;
-    stopped and its keys deleted after."""
+    the real Redis at 127.0.0.1:6379, yielded once ``replicas`` of them serve
+    (asked with ``api_key`` when it checks keys); stopped and its keys deleted after."""
     import redis
 
     from gateway.client import GatewayClient
@@ -335,7 +380,7 @@ def gateway_on_local_redis(engines: str, workdir: str, replicas: int, args: Sequ
     redis_args = ["--redis-url", "redis://127.0.0.1:6379/0", "--redis-prefix", prefix, "--health-interval-s", "0.2"]
     gateway = start_gateway(engines, [*redis_args, *args], workdir)
     try:
-        with GatewayClient(gateway.address, timeout_s=120) as client:
+        with GatewayClient(gateway.address, api_key=api_key, timeout_s=120) as client:
             assert wait_for(lambda: sum(r.serving for r in client.info().replicas) == replicas, 30), gateway.log()
         yield gateway
     finally:

@@ -24,16 +24,14 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import torch
 
 from gateway.client import GatewayClient
-from inference import model_store
 from kvd import disk_format
 from kvd.client import DaemonClient
 from kvd.hashing import BlockHasher, encode_extra_keys, pack_tokens
 from kvd_api.daemon.v1 import daemon_pb2 as pb
-from tests.conftest import blocks_held, start_daemon, start_engine, start_gateway, wait_for
-from tests.integration.engine_client import generate, reference_greedy, request, stub
+from tests.conftest import blocks_held, memo_greedy, start_daemon, start_engine, start_gateway, wait_for
+from tests.integration.engine_client import generate, request, stub
 from tests.integration.gateway_client import completion
 from tests.integration.test_offload import churn, settled
 
@@ -45,16 +43,8 @@ TENANT_A, TENANT_B = b"tenant-a", b"tenant-b"
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir):
-    model = model_store.load_model(model_dir, torch.float64, "cpu")
-    memo: dict[tuple[int, ...], list[int]] = {}
-
-    def greedy(ids: list[int]) -> list[int]:
-        if tuple(ids) not in memo:
-            memo[tuple(ids)] = reference_greedy(model, ids, NEW_TOKENS)
-        return memo[tuple(ids)]
-
-    return greedy
+def reference(reference_model):
+    return memo_greedy(reference_model, NEW_TOKENS)
 
 
 def documents(seed: int, count: int, tokens: int = DOC_TOKENS) -> list[list[int]]:

@@ -7,7 +7,6 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.tokenizer import GatewayTokenizer
-from inference import model_store
 from kvd.client import DaemonClient
 from kvd_api.engine.v1 import engine_pb2 as pb
 from tests.integration.engine_client import generate, request, stub
@@ -16,11 +15,6 @@ from tests.integration.engine_client import generate, request, stub
 @pytest.fixture(scope="module")
 def engine(shared_stack):
     return stub(shared_stack.address)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    return model_store.load_tokenizer(model_dir)
 
 
 def test_info_describes_the_model(engine):

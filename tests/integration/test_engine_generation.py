@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 
-import pytest
 import torch
 
 from inference import model_store
@@ -24,16 +23,6 @@ from tests.integration.engine_client import (
 )
 
 NEW_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def reference_model(model_dir):
-    return model_store.load_model(model_dir, torch.float64, "cpu")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    return model_store.load_tokenizer(model_dir)
 
 
 def prompts(tokenizer) -> list[list[int]]:

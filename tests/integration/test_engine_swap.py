@@ -16,10 +16,8 @@ import time
 
 import grpc
 import pytest
-import torch
 
 from gateway.client import GatewayClient
-from inference import model_store
 from kvd.client import DaemonClient
 from kvd_api.engine.v1 import engine_pb2 as epb
 from tests.conftest import blocks_held, gateway_on_local_redis, start_daemon, start_engine, wait_for
@@ -59,16 +57,6 @@ def gateway(engines, folder):
         yield gw
 
 
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    return model_store.load_tokenizer(model_dir)
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir):
-    return model_store.load_model(model_dir, torch.float64)
-
-
 def restart(engines: list, index: int, daemon, model_dir, folder) -> None:
     """Drains engine ``index`` (SIGTERM), then starts a new one on its address."""
     old = engines[index]
@@ -82,13 +70,13 @@ def pins(daemon) -> int:
         return client.stats().num_pins
 
 
-def test_engines_on_one_daemon_serve_as_one_cache(gateway, engines, tokenizer, reference):
+def test_engines_on_one_daemon_serve_as_one_cache(gateway, engines, tokenizer, reference_model):
     shared = tokenizer.encode(document(tokenizer, 96), add_special_tokens=False)
     prompts = [shared + tokenizer.encode(f" Question {i}: who met?", add_special_tokens=False) for i in range(8)]
     work = prompts * 4  # 32 concurrent requests, each prompt four times
     with GatewayClient(gateway.address, timeout_s=300) as client, cf.ThreadPoolExecutor(len(work)) as pool:
         outputs = list(pool.map(lambda ids: completion(client, ids, max_new_tokens=4)[0], work))
-    expected = [engine_client.reference_greedy(reference, ids, 4) for ids in prompts]
+    expected = [engine_client.reference_greedy(reference_model, ids, 4) for ids in prompts]
     assert outputs == expected * 4
 
     # A prefix one engine computed is a hit on the other.

@@ -103,11 +103,6 @@ def globex(gateway):
         yield client
 
 
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    return model_store.load_tokenizer(model_dir)
-
-
 def encode(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import secrets
 import shutil
 import subprocess
 import tempfile
@@ -19,12 +18,9 @@ import tempfile
 import httpx2 as httpx
 import openai
 import pytest
-import redis
-import torch
 
 from gateway.client import GatewayClient
-from inference import model_store
-from tests.conftest import blocks_held, free_port, start_daemon, start_engine, start_gateway, wait_for
+from tests.conftest import blocks_held, free_port, gateway_on_local_redis, start_daemon, start_engine, wait_for
 from tests.integration.engine_client import reference_greedy
 from tests.integration.gateway_client import document
 
@@ -42,26 +38,17 @@ def stack(model_dir):
     folder = tempfile.mkdtemp(prefix="kvd-http-", dir="/tmp")
     with open(f"{folder}/keys.json", "w") as f:
         json.dump({"keys": [{"key": k, "tenant": "acme", "scopes": s} for k, s in KEYS.items()]}, f)
-    prefix = f"kvd-test-{secrets.token_hex(4)}:"
     http = f"127.0.0.1:{free_port()}"
     daemon = start_daemon(["--block-size", str(BLOCK), "--num-blocks", "512", "--lease-s", "2"], folder)
     engine = start_engine(daemon, ["--model", str(model_dir), "--dtype", "float64"], folder)
-    gateway = start_gateway(
-        engine.address,
-        ["--redis-url", "redis://127.0.0.1:6379/0", "--redis-prefix", prefix, "--api-keys", f"{folder}/keys.json",
-         "--max-concurrent-requests", "2", "--http-listen", http],
-        folder,
-    )  # fmt: skip
+    args = ["--api-keys", f"{folder}/keys.json", "--max-concurrent-requests", "2", "--http-listen", http]
     try:
-        assert wait_for(lambda: httpx.get(f"http://{http}/ready").status_code == 200, 30), gateway.log()
-        yield daemon, gateway, f"http://{http}/v1"
+        with gateway_on_local_redis(engine.address, folder, 1, args, api_key="acme-key") as gateway:
+            assert wait_for(lambda: httpx.get(f"http://{http}/ready").status_code == 200, 30), gateway.log()
+            yield daemon, gateway, f"http://{http}/v1"
     finally:
-        gateway.stop()
         engine.stop()
         daemon.stop()
-        server = redis.Redis(host="127.0.0.1", port=6379)
-        for key in server.scan_iter(f"{prefix}*"):
-            server.delete(key)
         shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -82,16 +69,6 @@ def grpc_client(stack):
         yield c
 
 
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    return model_store.load_tokenizer(model_dir)
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir):
-    return model_store.load_model(model_dir, torch.float64, "cpu")
-
-
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
     encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
@@ -109,12 +86,12 @@ def test_models_lists_the_served_model_with_its_context(client, model_name, grpc
     assert model.id == info.model and model.model_extra["context_length"] == info.max_context
 
 
-def test_chat_equals_grpc_complete_and_model_generate(client, model_name, grpc_client, tokenizer, reference):
+def test_chat_equals_grpc_complete_and_model_generate(client, model_name, grpc_client, tokenizer, reference_model):
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
     reply = client.chat.completions.create(model=model_name, messages=messages, max_tokens=8, **GREEDY)
     grpc_reply = grpc_client.complete(chat=[(m["role"], m["content"]) for m in messages], max_new_tokens=8,
                                       ignore_eos=True)  # fmt: skip
-    expected = reference_greedy(reference, chat_ids(tokenizer, messages), 8)
+    expected = reference_greedy(reference_model, chat_ids(tokenizer, messages), 8)
     assert list(grpc_reply.token_ids) == expected
     assert reply.choices[0].message.content == grpc_reply.text == tokenizer.decode(expected, skip_special_tokens=True)
     assert reply.choices[0].finish_reason == "length"
@@ -122,11 +99,11 @@ def test_chat_equals_grpc_complete_and_model_generate(client, model_name, grpc_c
 
 
 def test_text_completion_of_token_ids_equals_grpc_and_model_generate(client, model_name, grpc_client, tokenizer,
-                                                                     reference):  # fmt: skip
+                                                                     reference_model):  # fmt: skip
     ids = tokenizer.encode("The capital of France is", add_special_tokens=False)
     reply = client.completions.create(model=model_name, prompt=ids, max_tokens=6, logprobs=2, **GREEDY)
     grpc_reply = grpc_client.complete(ids, max_new_tokens=6, ignore_eos=True, logprobs=True, top_logprobs=2)
-    assert list(grpc_reply.token_ids) == reference_greedy(reference, ids, 6)
+    assert list(grpc_reply.token_ids) == reference_greedy(reference_model, ids, 6)
     assert reply.choices[0].text == grpc_reply.text
     logprobs = reply.choices[0].logprobs
     assert logprobs.tokens == [tokenizer.decode([t]) for t in grpc_reply.token_ids]

@@ -19,13 +19,11 @@ import signal
 import time
 
 import pytest
-import torch
 
-from inference import model_store
 from kvd.client import DaemonClient
 from kvd_api.daemon.v1 import daemon_pb2 as pb
-from tests.conftest import blocks_held, wait_for
-from tests.integration.engine_client import generate, reference_greedy, request, stub
+from tests.conftest import blocks_held, memo_greedy, wait_for
+from tests.integration.engine_client import generate, request, stub
 
 NEW_TOKENS = 4
 CONCURRENT = 32
@@ -37,17 +35,8 @@ HOST_BLOCKS = 128
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir):
-    model = model_store.load_model(model_dir, torch.float64, "cpu")
-    memo: dict[tuple[int, ...], list[int]] = {}
-
-    def greedy(ids: list[int]) -> list[int]:
-        key = tuple(ids)
-        if key not in memo:
-            memo[key] = reference_greedy(model, ids, NEW_TOKENS)
-        return memo[key]
-
-    return greedy
+def reference(reference_model):
+    return memo_greedy(reference_model, NEW_TOKENS)
 
 
 def workload(seed: int) -> list[list[int]]:
@@ -83,7 +72,11 @@ def settled(daemon) -> bool:
     return s.num_used_blocks == 0 and s.num_copying_blocks == 0 and s.num_host_blocks_read == 0
 
 
-@pytest.mark.parametrize("host_tier", [True, False], ids=["host-tier", "device-only"])
+# The device-only variant's preemptions and recomputes are also what
+# test_engine_generation's chunking-and-preemption test checks: a long test.
+@pytest.mark.parametrize(
+    "host_tier", [True, pytest.param(False, marks=pytest.mark.long)], ids=["host-tier", "device-only"]
+)
 def test_outputs_equal_generate_under_churn(stack_factory, reference, pytestconfig, host_tier):
     churn_s = pytestconfig.getoption("--offload-churn-s")
     daemon_args = ["--num-blocks", str(DEVICE_BLOCKS)]

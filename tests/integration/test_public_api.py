@@ -23,7 +23,7 @@ from gateway.client import GatewayClient
 from kvd_api.engine.v1 import engine_pb2 as epb
 from kvd_api.gateway.v1 import gateway_pb2 as pb
 from kvd_api.gateway.v1 import gateway_pb2_grpc as pb_grpc
-from tests.conftest import start_daemon, start_engine, start_gateway, wait_for
+from tests.conftest import gateway_on_local_redis, start_daemon, start_engine, start_gateway, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 NODE_CLIENT = ROOT / "tests" / "clients" / "node"
@@ -35,18 +35,13 @@ def stack(model_dir):
     folder = tempfile.mkdtemp(prefix="kvd-pub-", dir="/tmp")
     daemon = start_daemon(["--block-size", "16", "--num-blocks", "512", "--lease-s", "2"], folder)
     engine = start_engine(daemon, ["--model", str(model_dir)], folder)
-    prefix = f"kvd-test-{secrets.token_hex(4)}:"
-    gateway = start_gateway(
-        engine.address, ["--redis-url", "redis://127.0.0.1:6379/0", "--redis-prefix", prefix], folder
-    )
-    yield gateway
-    gateway.stop()
-    engine.stop()
-    daemon.stop()
-    server = redis.Redis(host="127.0.0.1", port=6379)
-    for key in server.scan_iter(f"{prefix}*"):
-        server.delete(key)
-    shutil.rmtree(folder, ignore_errors=True)
+    try:
+        with gateway_on_local_redis(engine.address, folder, 1) as gateway:
+            yield gateway
+    finally:
+        engine.stop()
+        daemon.stop()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture

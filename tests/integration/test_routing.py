@@ -13,7 +13,6 @@ import grpc
 import pytest
 
 from gateway.client import GatewayClient
-from inference import model_store
 from kvd.client import DaemonClient
 from tests.conftest import free_port, gateway_on_local_redis, start_daemon, start_engine, start_gateway, wait_for
 from tests.integration import engine_client
@@ -50,11 +49,6 @@ def gateway(replicas, folder):
     engines = f"dns:localhost:{replicas[0].address.rsplit(':', 1)[1]},{replicas[1].address}"
     with gateway_on_local_redis(engines, folder, replicas=2) as gw:
         yield gw
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    return model_store.load_tokenizer(model_dir)
 
 
 def stats(engine):
