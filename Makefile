@@ -14,7 +14,7 @@ COMPOSE_VENV := $(VENV)/compose
 # drives podman with it.
 COMPOSE_SPEC ?= docker-compose==1.29.2 'docker>=6.1,<7' 'requests<2.32'
 
-.PHONY: setup test lint protos check-protos docs serve bench clean
+.PHONY: setup test test-long lint protos check-protos docs serve bench clean
 
 setup: $(STAMP)
 
@@ -40,6 +40,11 @@ $(STAMP): pyproject.toml
 test: setup
 	$(BIN)/ruff check .
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The whole suite and the tests marked long (soaks, overlapping churn variants).
+test-long: setup
+	$(BIN)/ruff check .
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest --long $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check .
