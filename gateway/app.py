@@ -16,7 +16,7 @@ from gateway.router import Router, RouterConfig
 from gateway.service import STATUS_BY_ERROR, GatewayService
 from gateway.templates import TemplateStore
 from gateway.tenants import Authenticator, FileKeys, KeyStore, RedisKeys, TenantLimits
-from kvd.grpc_server import build_server
+from kvd.grpc_server import CallLimit, build_server
 from kvd_api.gateway.v1 import gateway_pb2 as pb
 from kvd_api.gateway.v1 import gateway_pb2_grpc as pb_grpc
 
@@ -42,6 +42,8 @@ class GatewaySettings:
         health_interval_s: how often each replica's health is checked.
         dns_interval_s: how often ``dns:`` entries are resolved again.
         http_listen: the OpenAI-compatible HTTP API's ``HOST:PORT``; "": none.
+        max_open_requests: Generate and Complete calls the gRPC API holds at
+            once; more are refused (RESOURCE_EXHAUSTED).
     """
 
     listen: str = "127.0.0.1:50051"
@@ -58,6 +60,7 @@ class GatewaySettings:
     dns_interval_s: float = 5.0
     limits: TenantLimits = field(default_factory=TenantLimits)
     http_listen: str = ""
+    max_open_requests: int = 512
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -69,6 +72,8 @@ class GatewaySettings:
         for name in ("keeper_interval_s", "health_interval_s", "dns_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_open_requests < 1:
+            raise ValueError(f"max_open_requests must be >= 1, got {self.max_open_requests}")
 
 
 class GatewayApp:
@@ -101,8 +106,11 @@ class GatewayApp:
             [(pb_grpc.add_GatewayServicer_to_server, service, SERVICE_NAME)],
             STATUS_BY_ERROR,
             serving=False,
-            max_workers=64,
+            max_workers=32,  # templates, Info, health
             thread_name_prefix="gateway-rpc",
+            long_calls=CallLimit(
+                frozenset({"Generate", "Complete"}), settings.max_open_requests, "--max-open-requests"
+            ),
         )
         self.port = self._add_port()
         self.http = self._http_server(service)

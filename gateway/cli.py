@@ -55,6 +55,14 @@ COMMAND = SettingsCommand(
         Setting("--listen", env="KVD_GATEWAY_ADDR", default="127.0.0.1:50051", help="gRPC address"),
         HTTP_LISTEN,
         Setting(
+            "--max-open-requests",
+            env="KVD_GATEWAY_MAX_OPEN_REQUESTS",
+            type=click.INT,
+            default=512,
+            help="Generate and Complete calls the gRPC API holds at once, all tenants together; past it a call"
+            " is refused with RESOURCE_EXHAUSTED",
+        ),
+        Setting(
             "--engines",
             "--engine",
             "engines",
@@ -211,6 +219,7 @@ def config_from(args: SimpleNamespace):
         dns_interval_s=args.dns_interval_s,
         limits=TenantLimits(args.max_concurrent_requests, args.max_templates, args.max_pinned_blocks),
         http_listen=args.http_listen,
+        max_open_requests=args.max_open_requests,
     )
 
 

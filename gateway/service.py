@@ -61,6 +61,8 @@ log = logging.getLogger("gateway.service")
 VERSION = "0.1.0"
 # A template's warming prefill, for a caller that set no deadline.
 WARM_TIMEOUT_S = 120.0
+#: An engine's refusals before a request's first token that another replica may answer.
+_HANDED_OVER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 # The gateway's exceptions and the statuses callers get for them (kvd.grpc_server).
 STATUS_BY_ERROR: StatusTable = (
@@ -157,8 +159,9 @@ class GatewayService(pb_grpc.GatewayServicer):
         self, tenant: str, engine_request: epb.GenerateRequest, template_tokens: int, key: RouteKey, context
     ) -> Iterator:
         """Streams the request from the replica the router picks. A replica
-        that is UNAVAILABLE before the request's first token (draining, gone)
-        hands it to the next one the router picks, until none is left."""
+        that refuses the request before its first token (UNAVAILABLE:
+        draining, gone; RESOURCE_EXHAUSTED: full) hands it to the next one the
+        router picks, until none is left."""
         # NoReplica and LimitExceeded reach the client through the status table.
         route = self.router.route(key)
         self.slots.take(tenant)
@@ -181,7 +184,7 @@ class GatewayService(pb_grpc.GatewayServicer):
 
     def _relay_once(self, route, engine_request: epb.GenerateRequest, template_tokens: int, context):
         """One replica's try (a generator). Returns None when the call is over,
-        or the status a client would get when the replica was UNAVAILABLE
+        or the status a client would get when the replica refused the request
         before anything reached the client (another replica may take it)."""
         address = route.address
         link = self.pool.link(address)
@@ -208,8 +211,8 @@ class GatewayService(pb_grpc.GatewayServicer):
             # says it serves again.
             if err.code() == grpc.StatusCode.UNAVAILABLE:
                 self.pool.mark_down(address)
-                if not streamed and context.is_active():
-                    return link.error(err)
+            if err.code() in _HANDED_OVER and not streamed and context.is_active():
+                return link.error(err)
             if context.is_active():
                 context.abort(*link.error(err))
         finally:

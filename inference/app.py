@@ -35,6 +35,7 @@ class EngineSettings:
     listen: str = "127.0.0.1:50052"
     token_budget: int = 512
     max_num_seqs: int = 64
+    max_open_requests: int = 256  # Generate and Warm calls at once; more are refused
     attention_backend: str = "auto"
     prefix_caching: bool = True
     cuda_graphs: str = "auto"  # auto: on with CUDA and the triton backend; on; off
@@ -50,6 +51,8 @@ class EngineSettings:
             raise ValueError("kvd_address must be set (unix:PATH or HOST:PORT)")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if self.max_open_requests < 1:
+            raise ValueError(f"max_open_requests must be >= 1, got {self.max_open_requests}")
 
 
 @dataclass(frozen=True)
@@ -110,7 +113,7 @@ class EngineApp:
         service = EngineService(
             self.engine, self.tokenizer, self.info, prefix_caching=settings.prefix_caching, drain=self.drain
         )
-        self.server = build_server(service)
+        self.server = build_server(service, settings.max_open_requests)
         self.port = self.server.add_port(settings.listen)
 
     def start(self) -> None:

@@ -74,6 +74,14 @@ COMMAND = SettingsCommand(
         ),
         Setting("--max-num-seqs", env="KVD_MAX_NUM_SEQS", type=click.INT, default=64, help="running sequences"),
         Setting(
+            "--max-open-requests",
+            env="KVD_ENGINE_MAX_OPEN_REQUESTS",
+            type=click.INT,
+            default=256,
+            help="Generate and Warm calls the engine holds at once, running or waiting; past it a call is refused"
+            " with RESOURCE_EXHAUSTED (the gateway tries another replica)",
+        ),
+        Setting(
             "--attention-backend",
             env="KVD_ATTENTION_BACKEND",
             default="auto",
@@ -120,6 +128,7 @@ def config_from(args: SimpleNamespace):
         listen=args.listen,
         token_budget=args.token_budget,
         max_num_seqs=args.max_num_seqs,
+        max_open_requests=args.max_open_requests,
         attention_backend=args.attention_backend,
         prefix_caching=not args.no_prefix_caching,
         cuda_graphs=args.cuda_graphs,

@@ -17,7 +17,7 @@ from inference.engine import Engine, EngineUnavailable
 from inference.requests import Finish, Sequence
 from inference.sampling import SamplingParams
 from kvd.client import DaemonClient
-from kvd.grpc_server import Server, StatusTable
+from kvd.grpc_server import CallLimit, Server, StatusTable
 from kvd.grpc_server import build_server as build_grpc_server
 from kvd_api.engine.v1 import engine_pb2 as pb
 from kvd_api.engine.v1 import engine_pb2_grpc as pb_grpc
@@ -319,12 +319,19 @@ def usage(seq: Sequence, completion_tokens: int) -> pb.Usage:
     )
 
 
-def build_server(service: EngineService, max_workers: int = 64) -> Server:
-    """The engine's server: health NOT_SERVING until the engine is attached, reflection (no port yet)."""
+#: Threads for the engine's other calls: the gateways' BlockEvents and Load
+#: streams (two per gateway, for its life), Tokenize, Info, health, Drain.
+CONTROL_THREADS = 64
+
+
+def build_server(service: EngineService, max_open_requests: int = 256) -> Server:
+    """The engine's server: health NOT_SERVING until the engine is attached,
+    reflection, at most ``max_open_requests`` generations at once (no port yet)."""
     return build_grpc_server(
         [(pb_grpc.add_EngineServicer_to_server, service, SERVICE_NAME)],
         STATUS_BY_ERROR,
         serving=False,
-        max_workers=max_workers,
+        max_workers=CONTROL_THREADS,
         thread_name_prefix="engine-rpc",
+        long_calls=CallLimit(frozenset({"Generate", "Warm"}), max_open_requests, "--max-open-requests"),
     )

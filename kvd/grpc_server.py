@@ -9,11 +9,19 @@ A table lists ``(exception type, status)`` pairs, first match wins; the
 status may be a function of the exception returning ``(code, message)``
 (e.g. passing an upstream ``grpc.RpcError`` on). Anything not in the table is
 INTERNAL with the method named, and logged with its traceback.
+
+A server may cap its long calls (generation: one holds a worker thread for
+its whole length) with a ``CallLimit``: the thread pool gets that many threads
+on top of those for everything else, and a long call past the cap is refused
+with RESOURCE_EXHAUSTED at once. Without the cap, calls past the pool's size
+wait unseen in its queue, behind streams that may run for minutes, and so
+does the health check that would have said so.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
@@ -88,6 +96,77 @@ class StatusInterceptor(grpc.ServerInterceptor):
         context.abort(*status)
 
 
+@dataclass(frozen=True)
+class CallLimit:
+    """At most ``limit`` calls of ``methods`` (short names) at once; ``what``
+    names the setting in the refusal (``--max-open-requests``)."""
+
+    methods: frozenset[str]
+    limit: int
+    what: str
+
+
+class CallLimitInterceptor(grpc.ServerInterceptor):
+    """Refuses a call of the limited methods past the limit (RESOURCE_EXHAUSTED);
+    a call's place is given back when it terminates, however it ends."""
+
+    def __init__(self, cap: CallLimit) -> None:
+        if cap.limit < 1:
+            raise ValueError(f"{cap.what} must be >= 1, got {cap.limit}")
+        self.cap = cap
+        self._open = 0
+        self._lock = threading.Lock()
+
+    @property
+    def open_calls(self) -> int:
+        with self._lock:
+            return self._open
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+        if handler is None or method not in self.cap.methods:
+            return handler
+        if handler.unary_unary is not None:
+            return handler._replace(unary_unary=self._unary(handler.unary_unary))
+        return handler._replace(unary_stream=self._stream(handler.unary_stream))
+
+    def _unary(self, behavior):
+        def call(request, context):
+            self._enter(context)
+            return behavior(request, context)
+
+        return call
+
+    def _stream(self, behavior):
+        def call(request, context) -> Iterator:
+            self._enter(context)
+            yield from behavior(request, context)
+
+        return call
+
+    def _enter(self, context: grpc.ServicerContext) -> None:
+        with self._lock:
+            if self._open >= self.cap.limit:
+                refused = True
+            else:
+                refused = False
+                self._open += 1
+        if refused:
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"overloaded: {self.cap.limit} requests are open here ({self.cap.what}); try again later",
+            )
+        # Runs when the call terminates (completed, cancelled, deadline); at
+        # once if it already has.
+        if not context.add_callback(self._leave):
+            self._leave()
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._open -= 1
+
+
 @dataclass
 class Server:
     """A built server: add ports, ``start``, report health, ``stop`` gracefully.
@@ -130,6 +209,7 @@ def build_server(
     max_workers: int,
     thread_name_prefix: str,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
+    long_calls: CallLimit | None = None,
 ) -> Server:
     """A server with the given services, health, reflection and the status interceptor (no port yet).
 
@@ -137,10 +217,15 @@ def build_server(
         add_servicers: ``(add_XServicer_to_server, servicer, service full name)`` per service.
         errors: the process's exception -> status table.
         serving: the health status it starts with.
-        max_workers: threads serving calls (a stream holds one for its length).
+        max_workers: threads serving calls (a stream holds one for its length),
+            besides the ``long_calls`` limit's.
         thread_name_prefix: names those threads.
         interceptors: run before the status interceptor (e.g. the daemon's TCP token check).
+        long_calls: the cap on long calls, refused past it.
     """
+    if long_calls is not None:
+        interceptors = [*interceptors, CallLimitInterceptor(long_calls)]
+        max_workers += long_calls.limit
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=thread_name_prefix),
         interceptors=[*interceptors, StatusInterceptor(errors)],

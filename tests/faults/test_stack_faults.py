@@ -29,6 +29,7 @@ from grpc_health.v1 import health_pb2
 
 from gateway.client import GatewayClient
 from inference import model_store
+from inference.app import EngineSettings
 from kvd.client import DaemonClient
 from kvd_api.daemon.v1 import daemon_pb2 as pb
 from kvd_api.engine.v1 import engine_pb2 as epb
@@ -323,8 +324,13 @@ def _take_every_free_block(session) -> list[int]:
 
 
 def test_500_abandoned_streams_release_every_block(stack, expected):
+    """500 streams at once: the engine takes its --max-open-requests (stream 0
+    among them, served at once) and refuses the rest with RESOURCE_EXHAUSTED,
+    none waiting unseen; then the client vanishes and every block comes back."""
+    open_limit = EngineSettings.max_open_requests
     client = textwrap.dedent(
         f"""
+        import time
         import grpc
         from kvd_api.engine.v1 import engine_pb2 as epb
         from kvd_api.gateway.v1 import gateway_pb2 as pb, gateway_pb2_grpc as pbg
@@ -335,13 +341,16 @@ def test_500_abandoned_streams_release_every_block(stack, expected):
             for i in range(500)
         ]
         next(streams[0])
-        print("streaming", flush=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and sum(s.done() for s in streams) < {500 - open_limit}:
+            time.sleep(0.1)
+        print(sorted({{s.code().name for s in streams if s.done()}}), sum(s.done() for s in streams), flush=True)
         input()
         """
     )
     process = subprocess.Popen([sys.executable, "-c", client], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        assert process.stdout.readline().strip() == "streaming"
+        assert process.stdout.readline().strip() == f"['RESOURCE_EXHAUSTED'] {500 - open_limit}"
         assert blocks_held(stack.daemon) > 0
     finally:
         process.kill()  # vanishes: no cancel, no close

@@ -16,11 +16,19 @@ import time
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2
 
 from gateway.client import GatewayClient
 from kvd.client import DaemonClient
 from kvd_api.engine.v1 import engine_pb2 as epb
-from tests.conftest import blocks_held, gateway_on_local_redis, start_daemon, start_engine, wait_for
+from tests.conftest import (
+    blocks_held,
+    gateway_on_local_redis,
+    health_status,
+    start_daemon,
+    start_engine,
+    wait_for,
+)
 from tests.integration import engine_client
 from tests.integration.gateway_client import completion, document
 
@@ -187,6 +195,38 @@ def test_a_drain_hands_back_what_has_not_started_and_the_gateway_retries_it_else
         with DaemonClient.connect(daemon.address) as client:
             assert wait_for(lambda: client.stats().num_used_blocks == 0, 10)
             assert client.lookup(running_prompt) == len(running_prompt) // BLOCK * BLOCK  # the cache kept it
+    finally:
+        a.stop()
+        b.stop()
+        daemon.stop()
+
+
+def test_a_full_engine_refuses_at_once_and_the_gateway_sends_the_request_to_another(model_dir, workdir, tokenizer):
+    """Engine A holds one open request (--max-open-requests 1) and is busy with
+    it: a second call to A is refused at once with RESOURCE_EXHAUSTED instead of
+    waiting unseen; through a round-robin gateway, the request that A refuses is
+    served by B; A's health still answers SERVING."""
+    daemon = start_daemon(["--block-size", str(BLOCK), "--num-blocks", "256"], workdir)
+    args = ["--model", str(model_dir)]
+    a = start_engine(daemon, [*args, "--max-open-requests", "1"], workdir)
+    b = start_engine(daemon, args, workdir)
+    try:
+        with gateway_on_local_redis(f"{a.address},{b.address}", workdir, 2, ["--routing", "round-robin"]) as gateway:
+            stub = engine_client.stub(a.address)
+            held = stub.Generate(engine_client.request([5, 6, 7, 8], 400))
+            next(held)
+            with pytest.raises(grpc.RpcError) as refused:
+                next(stub.Generate(engine_client.request([5, 6, 7, 9], 4), timeout=10))
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "1 requests are open here (--max-open-requests)" in refused.value.details()
+            assert health_status(a.address) == health_pb2.HealthCheckResponse.SERVING
+            with GatewayClient(gateway.address, timeout_s=120) as client:
+                lengths = [len(completion(client, [9, 10, 11, i], max_new_tokens=3)[0]) for i in range(2)]
+            assert lengths == [3, 3]  # one of them was A's turn
+            assert "request handed to another replica" in gateway.log()
+            held.cancel()
+        with DaemonClient.connect(daemon.address) as client:
+            assert wait_for(lambda: client.stats().num_used_blocks == 0, 10)
     finally:
         a.stop()
         b.stop()

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvd.grpc_server import build_server
+from kvd.grpc_server import CallLimit, build_server
 
 
 class Refused(Exception):
@@ -118,3 +120,56 @@ def test_stop_reports_not_serving_and_refuses_new_calls():
         with pytest.raises(grpc.RpcError) as err:
             channel.unary_unary("/test.Raiser/Unary")(b"fine", timeout=2)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def _endless(request: bytes, context):
+    """A generation that never ends (until its client leaves)."""
+    while context.is_active():
+        yield b"token"
+        time.sleep(0.01)
+
+
+def _add_endless(_servicer, server: grpc.Server) -> None:
+    handlers = {"Generate": grpc.unary_stream_rpc_method_handler(_endless, **_BYTES)}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Endless", handlers),))
+
+
+def test_long_calls_past_the_limit_are_refused_at_once_while_other_calls_are_served():
+    server = build_server(
+        [(_add_endless, None, "test.Endless")], TABLE, serving=True, max_workers=2, thread_name_prefix="t",
+        long_calls=CallLimit(frozenset({"Generate"}), 3, "--max-open-requests"),
+    )  # fmt: skip
+    port = server.add_port("127.0.0.1:0")
+    server.start()
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        generate = channel.unary_stream("/test.Endless/Generate")
+        streams = [generate(b"", timeout=30) for _ in range(3)]
+        assert [next(s) for s in streams] == [b"token"] * 3
+        # The fourth is refused at once, not queued behind three endless streams.
+        with pytest.raises(grpc.RpcError) as err:
+            next(generate(b"", timeout=10))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "3 requests are open here (--max-open-requests)" in err.value.details()
+        # Health is served from the threads besides the limit's.
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        # A stream its client cancels gives its place back.
+        streams[0].cancel()
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                assert next(generate(b"", timeout=10)) == b"token"
+                break
+            except grpc.RpcError as refused:
+                assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert time.monotonic() < deadline, "the cancelled stream kept its place"
+        for s in streams[1:]:
+            s.cancel()
+    server.stop(grace_s=0)
+
+
+def test_a_limit_below_one_is_refused():
+    with pytest.raises(ValueError, match="--max-open-requests must be >= 1"):
+        limit = CallLimit(frozenset({"Generate"}), 0, "--max-open-requests")
+        build_server([(_add_endless, None, "t.E")], TABLE, serving=True, max_workers=2, thread_name_prefix="t",
+                     long_calls=limit)  # fmt: skip
