@@ -72,11 +72,12 @@ def settled(daemon) -> bool:
     return s.num_used_blocks == 0 and s.num_copying_blocks == 0 and s.num_host_blocks_read == 0
 
 
-# The device-only variant's preemptions and recomputes are also what
-# test_engine_generation's chunking-and-preemption test checks: a long test.
-@pytest.mark.parametrize(
-    "host_tier", [True, pytest.param(False, marks=pytest.mark.long)], ids=["host-tier", "device-only"]
-)
+# Both are long tests: the device-only variant's preemptions and recomputes
+# are what test_engine_generation's chunking-and-preemption test checks, and
+# test_disk_tier's churn cycles blocks through the device and host tiers (and
+# the disk) the same way, while the swap-ins here are also killed midway below.
+@pytest.mark.long
+@pytest.mark.parametrize("host_tier", [True, False], ids=["host-tier", "device-only"])
 def test_outputs_equal_generate_under_churn(stack_factory, reference, pytestconfig, host_tier):
     churn_s = pytestconfig.getoption("--offload-churn-s")
     daemon_args = ["--num-blocks", str(DEVICE_BLOCKS)]
