@@ -28,8 +28,9 @@ Step on.
 from __future__ import annotations
 
 from kvd.block import Block
-from kvd.cache_manager import DEFERRED, KVCacheManager, Request
-from kvd.cache_manager import schedule_order as _order
+from kvd.cache_manager import DEFERRED, KVCacheManager
+from kvd.cache_request import Request
+from kvd.cache_request import schedule_order as _order
 from kvd.session import Session
 from kvd_api.daemon.v1 import daemon_pb2 as pb
 

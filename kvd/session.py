@@ -48,8 +48,9 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 
 from kvd.block import Block
-from kvd.cache_manager import KVCacheManager, Request
-from kvd.cache_manager import schedule_order as _order
+from kvd.cache_manager import KVCacheManager
+from kvd.cache_request import Request
+from kvd.cache_request import schedule_order as _order
 from kvd.errors import NotFoundError
 from kvd.hashing import pack_tokens
 from kvd.process_identity import ProcessIdentity
