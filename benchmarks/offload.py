@@ -39,10 +39,12 @@ import contextlib
 import os
 import random
 import shutil
+import signal
 import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -115,34 +117,24 @@ def build_workload(tokenizer, sizes: dict[str, int], seed: int) -> dict[str, Any
 # ------------------------------------------------------------------ variants
 
 
-class Variant:
-    """One daemon + engine pair, its client channel and its measurements."""
+class Stack:
+    """A daemon and an engine (float32, CPU) in ``folder``; once started, the
+    engine's stub and a client of the daemon."""
 
-    def __init__(self, name: str, folder: Path, model_path: Path, num_blocks: int, host_blocks: int) -> None:
-        self.name = name
-        caching = name != "no_cache"
-        daemon_flags = [
-            "--shm-dir", SHM_DIR, "--metrics-port", "0", "--block-size", str(BLOCK_SIZE),
-            "--num-blocks", str(num_blocks), "--device", "cpu", "--log-level", "warning",
-        ]  # fmt: skip
-        engine_flags = ["--model", str(model_path), "--dtype", "float32", "--device", "cpu"]
-        engine_flags += ["--token-budget", str(TOKEN_BUDGET)]
-        if not caching:
-            daemon_flags.append("--no-prefix-caching")
-            engine_flags.append("--no-prefix-caching")
-        if name == "host_tier":
-            daemon_flags += ["--host-num-blocks", str(host_blocks)]
+    def __init__(
+        self, folder: Path, model_path: Path, daemon_flags: list[str], engine_flags: Sequence[str] = ()
+    ) -> None:
         folder.mkdir(parents=True, exist_ok=True)
-        self.daemon = harness.KvdProcess(folder, daemon_flags, name="kvd")
-        self.engine = harness.EngineProcess(folder, self.daemon.address, engine_flags, name="engine")
+        flags = ["--metrics-port", "0", "--block-size", str(BLOCK_SIZE), "--device", "cpu", *daemon_flags]
+        engine = ["--model", str(model_path), "--dtype", "float32", "--device", "cpu"]
+        engine += ["--token-budget", str(TOKEN_BUDGET), *engine_flags]
+        self.daemon = harness.KvdProcess(folder, flags, name="kvd")
+        self.engine = harness.EngineProcess(folder, self.daemon.address, engine, name="engine")
         self.channel: grpc.Channel | None = None
         self.stub = None
         self.client: DaemonClient | None = None
-        self.rounds: list[dict[str, Any]] = []
-        self.stats: list[dict[str, Any]] = []
-        self.error: str | None = None
 
-    def start(self) -> Variant:
+    def start(self) -> Stack:
         self.daemon.start()
         self.engine.start()
         self.channel = grpc.insecure_channel(self.engine.address)
@@ -150,23 +142,46 @@ class Variant:
         self.client = DaemonClient.connect(self.daemon.address)
         return self
 
-    def stop(self) -> None:
+    def stats(self, fields: Sequence[str] = STAT_FIELDS) -> dict[str, Any]:
+        """The daemon's Stats ``fields``."""
+        s = self.client.stats()
+        return {f: getattr(s, f) for f in fields}
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Stops both (a SIGKILL kills the daemon first, as a crash would)."""
         for closer in (self.client, self.channel):
             if closer is not None:
                 with contextlib.suppress(Exception):
                     closer.close()
+        if sig == signal.SIGKILL:
+            self.daemon.proc.send_signal(signal.SIGKILL)
+            self.daemon.proc.wait(10)
         self.engine.stop()
         self.daemon.stop()
-
-    def daemon_stats(self) -> dict[str, Any]:
-        s = self.client.stats()
-        return {f: getattr(s, f) for f in STAT_FIELDS}
 
     def logs(self) -> str:
         return f"--- engine log ---\n{self.engine.log_tail()}\n--- kvd log ---\n{self.daemon.log_tail()}"
 
 
-def run_round(v: Variant, prompts: list[list[int]], new_tokens: int, concurrency: int, label: str) -> dict[str, Any]:
+class Variant(Stack):
+    """One of VARIANTS: its stack, the rounds it ran, its Stats after each, its error."""
+
+    def __init__(self, name: str, folder: Path, model_path: Path, num_blocks: int, host_blocks: int) -> None:
+        daemon_flags = ["--shm-dir", SHM_DIR, "--num-blocks", str(num_blocks), "--log-level", "warning"]
+        engine_flags = []
+        if name == "no_cache":
+            daemon_flags.append("--no-prefix-caching")
+            engine_flags.append("--no-prefix-caching")
+        if name == "host_tier":
+            daemon_flags += ["--host-num-blocks", str(host_blocks)]
+        super().__init__(folder, model_path, daemon_flags, engine_flags)
+        self.name = name
+        self.rounds: list[dict[str, Any]] = []
+        self.stats_after: list[dict[str, Any]] = []
+        self.error: str | None = None
+
+
+def run_round(v: Stack, prompts: list[list[int]], new_tokens: int, concurrency: int, label: str) -> dict[str, Any]:
     """``prompts`` in order through ``concurrency`` client threads; per request:
     TTFT from its own submission, usage, tokens."""
     progress = harness.Progress(label, len(prompts))
@@ -197,7 +212,7 @@ def run_round(v: Variant, prompts: list[list[int]], new_tokens: int, concurrency
 
 def summarize(v: Variant) -> dict[str, Any]:
     r1, r2 = v.rounds
-    before, after1, after2 = v.stats
+    before, after1, after2 = v.stats_after
 
     def diff(a: dict[str, Any], b: dict[str, Any], key: str) -> Any:
         return b[key] - a[key]
@@ -317,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
                 s = stream(v.stub, warmup, 4)
                 if s.error:
                     raise RuntimeError(f"warm-up request failed: {s.error}")
-                v.stats.append(v.daemon_stats())
+                v.stats_after.append(v.stats())
                 launched.append(
                     {
                         "variant": name,
@@ -341,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
                     v.rounds.append(run_round(v, w["rounds"][r], sizes["new_tokens"], conc, f"{name} round {r + 1}"))
                     if v.client is not None and name == "host_tier":
                         time.sleep(0.5)  # lets the last outgoing copies finish before the stats
-                    v.stats.append(v.daemon_stats())
+                    v.stats_after.append(v.stats())
                 except Exception as exc:
                     harness.log(f"{name} round {r + 1} FAILED:\n{traceback.format_exc()}")
                     v.error = f"{type(exc).__name__}: {exc}\n{v.logs()}"

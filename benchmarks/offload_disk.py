@@ -37,48 +37,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import grpc
 import harness
-from offload import BLOCK_SIZE, TOKEN_BUDGET, build_workload, run_round
+from offload import BLOCK_SIZE, Stack, build_workload, run_round
 
 from inference import model_store
-from kvd.client import DaemonClient
-from kvd_api.engine.v1 import engine_pb2_grpc as pb_grpc
 
 FULL = {"documents": 4, "document_tokens": 4000, "question_tokens": 32, "new_tokens": 4, "concurrency": 1}
 QUICK = {"documents": 4, "document_tokens": 1000, "question_tokens": 24, "new_tokens": 2, "concurrency": 1}
 DISK_STATS = ("disk_hit_tokens", "bytes_from_disk", "disk_read_seconds", "disk_loads", "disk_writes",
               "num_disk_blocks", "disk_corrupt_blocks", "disk_index_rebuild_seconds", "host_hit_tokens")  # fmt: skip
-
-
-class Stack:
-    """A daemon and an engine in ``folder`` with ``daemon_flags``; the stub and a daemon client."""
-
-    def __init__(self, folder: Path, model_path: Path, daemon_flags: list[str]) -> None:
-        folder.mkdir(parents=True, exist_ok=True)
-        flags = ["--metrics-port", "0", "--block-size", str(BLOCK_SIZE), "--device", "cpu", *daemon_flags]
-        self.daemon = harness.KvdProcess(folder, flags, name="kvd").start()
-        engine_flags = ["--model", str(model_path), "--dtype", "float32", "--device", "cpu"]
-        self.engine = harness.EngineProcess(
-            folder, self.daemon.address, engine_flags + ["--token-budget", str(TOKEN_BUDGET)]
-        )
-        self.engine.start()
-        self.channel = grpc.insecure_channel(self.engine.address)
-        self.stub = pb_grpc.EngineStub(self.channel)
-        self.client = DaemonClient.connect(self.daemon.address)
-
-    def stats(self) -> dict[str, Any]:
-        s = self.client.stats()
-        return {f: getattr(s, f) for f in DISK_STATS}
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        self.client.close()
-        self.channel.close()
-        if sig == signal.SIGKILL:
-            self.daemon.proc.send_signal(signal.SIGKILL)
-            self.daemon.proc.wait(10)
-        self.engine.stop()
-        self.daemon.stop()
 
 
 def summarize(rounds: list[dict[str, Any]], measured: int) -> dict[str, Any]:
@@ -174,7 +141,7 @@ def run(args, quick: bool) -> dict[str, Any]:
         if args.workload == "restart":
             variants = []
         for name, flags in variants:
-            stack = Stack(workdir / name, model_path, flags)
+            stack = Stack(workdir / name, model_path, flags).start()
             try:
                 rounds = rounds_of(stack, name)
             finally:
@@ -184,21 +151,21 @@ def run(args, quick: bool) -> dict[str, Any]:
         if args.workload == "disk":
             results.update(device_path(workdir, model_path, big_device + host, disk, w, ask, outputs))
             shutil.rmtree(workdir / "disk")  # the disk_tier variant starts cold
-        stack = Stack(workdir / "disk_tier", model_path, device + host + disk)
+        stack = Stack(workdir / "disk_tier", model_path, device + host + disk).start()
         try:
             rounds = rounds_of(stack, "disk_tier")
             time.sleep(1.0)  # the writer's last blocks
-            before = stack.stats()
+            before = stack.stats(DISK_STATS)
         finally:
             stack.stop(signal.SIGKILL)
         results["disk_tier"] = {**summarize(rounds, 1), "disk_hits_tokens": before["disk_hit_tokens"]}
         outputs["disk_tier"] = rounds[0]["tokens"] + rounds[1]["tokens"]
         drop_page_cache(workdir / "disk")  # what the killed daemon read back last is cached no more
-        stack = Stack(workdir / "after_restart", model_path, device + host + disk)
+        stack = Stack(workdir / "after_restart", model_path, device + host + disk).start()
         try:
-            rebuilt = stack.stats()
+            rebuilt = stack.stats(DISK_STATS)
             again = rounds_of(stack, "after_restart", which=(0,))
-            after = stack.stats()
+            after = stack.stats(DISK_STATS)
         finally:
             stack.stop()
         results["after_restart"] = {
@@ -222,8 +189,8 @@ def device_path(workdir: Path, model_path: Path, flags: list[str], disk: list[st
     stacks up at once and taking turns request by request (ABBA), so the
     machine's drift hits both alike; each request's own time is summed."""
     stacks = {
-        "device_path_without_disk": Stack(workdir / "without", model_path, flags),
-        "device_path_with_disk": Stack(workdir / "with", model_path, flags + disk),
+        "device_path_without_disk": Stack(workdir / "without", model_path, flags).start(),
+        "device_path_with_disk": Stack(workdir / "with", model_path, flags + disk).start(),
     }
     rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in stacks}
     try:
