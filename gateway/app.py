@@ -16,7 +16,7 @@ from gateway.router import Router, RouterConfig
 from gateway.service import STATUS_BY_ERROR, GatewayService
 from gateway.templates import TemplateStore
 from gateway.tenants import Authenticator, FileKeys, KeyStore, RedisKeys, TenantLimits
-from kvd.grpc_server import CallLimit, build_server
+from kvd.grpc_server import CallLimit, OpenCalls, build_server
 from kvd_api.gateway.v1 import gateway_pb2 as pb
 from kvd_api.gateway.v1 import gateway_pb2_grpc as pb_grpc
 
@@ -42,8 +42,8 @@ class GatewaySettings:
         health_interval_s: how often each replica's health is checked.
         dns_interval_s: how often ``dns:`` entries are resolved again.
         http_listen: the OpenAI-compatible HTTP API's ``HOST:PORT``; "": none.
-        max_open_requests: Generate and Complete calls the gRPC API holds at
-            once; more are refused (RESOURCE_EXHAUSTED).
+        max_open_requests: generations (gRPC Generate and Complete, HTTP
+            completions) held at once; more are refused (RESOURCE_EXHAUSTED, 429).
     """
 
     listen: str = "127.0.0.1:50051"
@@ -101,6 +101,8 @@ class GatewayApp:
         self.auth = Authenticator(self._key_store())
         self.keeper = TemplateKeeper(self.store, self.pool, settings.keeper_interval_s)
         service = GatewayService(self.store, self.pool, self.keeper, self.auth, settings.limits)
+        # One count of generations for both APIs.
+        self.open_calls = OpenCalls(settings.max_open_requests, "--max-open-requests")
         # The gateway serves (templates, info) while at least one replica does.
         self.server = build_server(
             [(pb_grpc.add_GatewayServicer_to_server, service, SERVICE_NAME)],
@@ -108,9 +110,7 @@ class GatewayApp:
             serving=False,
             max_workers=32,  # templates, Info, health
             thread_name_prefix="gateway-rpc",
-            long_calls=CallLimit(
-                frozenset({"Generate", "Complete"}), settings.max_open_requests, "--max-open-requests"
-            ),
+            long_calls=CallLimit(frozenset({"Generate", "Complete"}), self.open_calls),
         )
         self.port = self._add_port()
         self.http = self._http_server(service)
@@ -137,7 +137,7 @@ class GatewayApp:
         from gateway.http_api.server import HttpServer  # the ASGI stack loads only when it serves
 
         s = self.settings
-        return HttpServer(service, s.http_listen, s.tls_cert, s.tls_key)
+        return HttpServer(service, self.open_calls, s.http_listen, s.tls_cert, s.tls_key)
 
     def _engine_health(self, up: bool) -> None:
         self.server.set_serving(up)

@@ -59,8 +59,8 @@ COMMAND = SettingsCommand(
             env="KVD_GATEWAY_MAX_OPEN_REQUESTS",
             type=click.INT,
             default=512,
-            help="Generate and Complete calls the gRPC API holds at once, all tenants together; past it a call"
-            " is refused with RESOURCE_EXHAUSTED",
+            help="generations the gateway holds at once (gRPC Generate and Complete, HTTP completions), all"
+            " tenants together; past it one is refused with RESOURCE_EXHAUSTED (HTTP 429)",
         ),
         Setting(
             "--engines",

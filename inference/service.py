@@ -17,7 +17,7 @@ from inference.engine import Engine, EngineUnavailable
 from inference.requests import Finish, Sequence
 from inference.sampling import SamplingParams
 from kvd.client import DaemonClient
-from kvd.grpc_server import CallLimit, Server, StatusTable
+from kvd.grpc_server import CallLimit, OpenCalls, Server, StatusTable
 from kvd.grpc_server import build_server as build_grpc_server
 from kvd_api.engine.v1 import engine_pb2 as pb
 from kvd_api.engine.v1 import engine_pb2_grpc as pb_grpc
@@ -333,5 +333,5 @@ def build_server(service: EngineService, max_open_requests: int = 256) -> Server
         serving=False,
         max_workers=CONTROL_THREADS,
         thread_name_prefix="engine-rpc",
-        long_calls=CallLimit(frozenset({"Generate", "Warm"}), max_open_requests, "--max-open-requests"),
+        long_calls=CallLimit(frozenset({"Generate", "Warm"}), OpenCalls(max_open_requests, "--max-open-requests")),
     )

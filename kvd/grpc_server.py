@@ -96,14 +96,46 @@ class StatusInterceptor(grpc.ServerInterceptor):
         context.abort(*status)
 
 
+class OpenCalls:
+    """Long calls open at once, at most ``limit``: the one count a process's
+    APIs share (the gateway's gRPC and HTTP generations). ``what`` names the
+    setting in the refusal (``--max-open-requests``)."""
+
+    def __init__(self, limit: int, what: str) -> None:
+        if limit < 1:
+            raise ValueError(f"{what} must be >= 1, got {limit}")
+        self.limit = limit
+        self.what = what
+        self._open = 0
+        self._lock = threading.Lock()
+
+    @property
+    def open(self) -> int:
+        with self._lock:
+            return self._open
+
+    def try_open(self) -> bool:
+        """Counts one more call, unless ``limit`` are open (then False)."""
+        with self._lock:
+            if self._open >= self.limit:
+                return False
+            self._open += 1
+            return True
+
+    def close(self) -> None:
+        with self._lock:
+            self._open -= 1
+
+    def refusal(self) -> str:
+        return f"overloaded: {self.limit} requests are open here ({self.what}); try again later"
+
+
 @dataclass(frozen=True)
 class CallLimit:
-    """At most ``limit`` calls of ``methods`` (short names) at once; ``what``
-    names the setting in the refusal (``--max-open-requests``)."""
+    """The calls of ``methods`` (short names) count in ``calls``."""
 
     methods: frozenset[str]
-    limit: int
-    what: str
+    calls: OpenCalls
 
 
 class CallLimitInterceptor(grpc.ServerInterceptor):
@@ -111,16 +143,7 @@ class CallLimitInterceptor(grpc.ServerInterceptor):
     a call's place is given back when it terminates, however it ends."""
 
     def __init__(self, cap: CallLimit) -> None:
-        if cap.limit < 1:
-            raise ValueError(f"{cap.what} must be >= 1, got {cap.limit}")
         self.cap = cap
-        self._open = 0
-        self._lock = threading.Lock()
-
-    @property
-    def open_calls(self) -> int:
-        with self._lock:
-            return self._open
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -133,38 +156,26 @@ class CallLimitInterceptor(grpc.ServerInterceptor):
 
     def _unary(self, behavior):
         def call(request, context):
-            self._enter(context)
+            self._open(context)
             return behavior(request, context)
 
         return call
 
     def _stream(self, behavior):
         def call(request, context) -> Iterator:
-            self._enter(context)
+            self._open(context)
             yield from behavior(request, context)
 
         return call
 
-    def _enter(self, context: grpc.ServicerContext) -> None:
-        with self._lock:
-            if self._open >= self.cap.limit:
-                refused = True
-            else:
-                refused = False
-                self._open += 1
-        if refused:
-            context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"overloaded: {self.cap.limit} requests are open here ({self.cap.what}); try again later",
-            )
+    def _open(self, context: grpc.ServicerContext) -> None:
+        calls = self.cap.calls
+        if not calls.try_open():
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, calls.refusal())
         # Runs when the call terminates (completed, cancelled, deadline); at
         # once if it already has.
-        if not context.add_callback(self._leave):
-            self._leave()
-
-    def _leave(self) -> None:
-        with self._lock:
-            self._open -= 1
+        if not context.add_callback(calls.close):
+            calls.close()
 
 
 @dataclass
@@ -225,7 +236,7 @@ def build_server(
     """
     if long_calls is not None:
         interceptors = [*interceptors, CallLimitInterceptor(long_calls)]
-        max_workers += long_calls.limit
+        max_workers += long_calls.calls.limit
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=thread_name_prefix),
         interceptors=[*interceptors, StatusInterceptor(errors)],

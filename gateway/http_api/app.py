@@ -13,14 +13,16 @@ from gateway.http_api import completions, templates_routes
 from gateway.http_api.calls import ApiError, LocalCall, api_error, log
 from gateway.http_api.relay import Relay
 from gateway.service import GatewayService
+from kvd.grpc_server import OpenCalls
 from kvd_api.gateway.v1 import gateway_pb2 as pb
 
 
-def create_app(service: GatewayService, relay: Relay) -> FastAPI:
+def create_app(service: GatewayService, relay: Relay, open_calls: OpenCalls) -> FastAPI:
     # No redirects: a path with a trailing slash (an empty template name) is a 404, as any unknown path.
     app = FastAPI(title="kvd", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     app.state.service = service
     app.state.relay = relay
+    app.state.open_calls = open_calls
     app.state.started = int(time.time())
     app.include_router(completions.router)
     app.include_router(templates_routes.router)

@@ -22,6 +22,7 @@ from gateway.http_api.calls import ApiError, LocalCall, api_error
 from gateway.http_api.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.http_api.translate import Chunks, completion_body, generate_request
 from gateway.tenants import SCOPE_GENERATE
+from kvd.grpc_server import OpenCalls
 
 router = APIRouter()
 
@@ -40,6 +41,7 @@ async def _complete(request: Request, body, chat: bool, want_logprobs: bool):
     state = request.app.state
     service, relay = state.service, state.relay
     call = LocalCall(request.headers.get("authorization"))
+    _open(state.open_calls, call)
     token_text = service.tokenizer.token_text
     if not body.stream:
 
@@ -71,6 +73,14 @@ async def _complete(request: Request, body, chat: bool, want_logprobs: bool):
     except Exception as exc:
         raise api_error(exc) from exc
     return EventSourceResponse(_events(chunks, first, stream), ping=15, send_timeout=30)
+
+
+def _open(open_calls: OpenCalls, call: LocalCall) -> None:
+    """Counts the call among the gateway's open generations (gRPC's too) until
+    it ends; past the limit, 429 at once."""
+    if not open_calls.try_open():
+        raise ApiError(429, open_calls.refusal(), code="resource_exhausted")
+    call.add_callback(open_calls.close)
 
 
 async def _end_on_disconnect(request: Request, call: LocalCall) -> None:

@@ -17,11 +17,13 @@ import uvicorn
 from gateway.http_api.app import create_app
 from gateway.http_api.relay import Relay
 from gateway.service import GatewayService
+from kvd.grpc_server import OpenCalls
 
 log = logging.getLogger("gateway.http")
 
-#: HTTP calls running at once (a stream holds a thread for its length, as a gRPC one does).
-MAX_THREADS = 256
+#: Threads for the HTTP calls other than generations (models, templates), on
+#: top of one per open generation (a stream holds a thread for its length).
+OTHER_THREADS = 32
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -33,10 +35,16 @@ def split_address(address: str) -> tuple[str, int]:
 
 
 class HttpServer:
-    """Serves ``service`` over HTTP on ``address`` once started."""
+    """Serves ``service`` over HTTP on ``address`` once started; its
+    generations count in ``open_calls`` with the gRPC API's."""
 
     def __init__(
-        self, service: GatewayService, address: str, tls_cert: Path | None = None, tls_key: Path | None = None
+        self,
+        service: GatewayService,
+        open_calls: OpenCalls,
+        address: str,
+        tls_cert: Path | None = None,
+        tls_key: Path | None = None,
     ) -> None:
         host, port = split_address(address)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -50,9 +58,9 @@ class HttpServer:
         self.socket.listen(2048)  # connections made before uvicorn runs wait for it
         self.host = host
         self.port = self.socket.getsockname()[1]
-        self.relay = Relay(MAX_THREADS)
+        self.relay = Relay(open_calls.limit + OTHER_THREADS)
         config = uvicorn.Config(
-            create_app(service, self.relay), log_config=None, access_log=False, lifespan="off",
+            create_app(service, self.relay, open_calls), log_config=None, access_log=False, lifespan="off",
             timeout_graceful_shutdown=2, ssl_certfile=tls_cert, ssl_keyfile=tls_key,
         )  # fmt: skip
         self.server = uvicorn.Server(config)

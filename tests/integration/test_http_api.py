@@ -15,11 +15,15 @@ import shutil
 import subprocess
 import tempfile
 
+import grpc
 import httpx2 as httpx
 import openai
 import pytest
 
 from gateway.client import GatewayClient
+from kvd_api.engine.v1 import engine_pb2 as epb
+from kvd_api.gateway.v1 import gateway_pb2 as gpb
+from kvd_api.gateway.v1 import gateway_pb2_grpc as pbg
 from tests.conftest import blocks_held, free_port, gateway_on_local_redis, start_daemon, start_engine, wait_for
 from tests.integration.engine_client import reference_greedy
 from tests.integration.gateway_client import document
@@ -34,7 +38,7 @@ SUPPORT = (
 
 @pytest.fixture(scope="module")
 def stack(model_dir):
-    """(daemon, gateway, the HTTP API's base URL)."""
+    """(daemon, gateway, the HTTP API's base URL, engine)."""
     folder = tempfile.mkdtemp(prefix="kvd-http-", dir="/tmp")
     with open(f"{folder}/keys.json", "w") as f:
         json.dump({"keys": [{"key": k, "tenant": "acme", "scopes": s} for k, s in KEYS.items()]}, f)
@@ -45,7 +49,7 @@ def stack(model_dir):
     try:
         with gateway_on_local_redis(engine.address, folder, 1, args, api_key="acme-key") as gateway:
             assert wait_for(lambda: httpx.get(f"http://{http}/ready").status_code == 200, 30), gateway.log()
-            yield daemon, gateway, f"http://{http}/v1"
+            yield daemon, gateway, f"http://{http}/v1", engine
     finally:
         engine.stop()
         daemon.stop()
@@ -250,7 +254,7 @@ def test_errors_raise_the_clients_classes(stack, client, model_name):
 
 
 def test_a_dropped_stream_frees_its_blocks_and_its_slot(stack, client, model_name, tokenizer):
-    daemon, _, base = stack
+    daemon, _, base, _ = stack
     assert wait_for(lambda: blocks_held(daemon) == 0, 15)
     body = {"model": model_name, "prompt": document(tokenizer, 100), "max_tokens": 4000, "stream": True,
             "ignore_eos": True}  # fmt: skip
@@ -272,4 +276,33 @@ def test_a_dropped_stream_frees_its_blocks_and_its_slot(stack, client, model_nam
     impatient = httpx.Client(base_url=base, headers=headers, timeout=httpx.Timeout(120, read=2))
     with impatient, pytest.raises(httpx.ReadTimeout):
         impatient.post("/completions", json={**body, "stream": False})
+    assert wait_for(lambda: blocks_held(daemon) == 0, 10), blocks_held(daemon)
+
+
+def test_generations_over_both_apis_count_in_one_limit(stack, model_name, workdir):
+    """A gateway of --max-open-requests 1: while a gRPC stream is open, an HTTP
+    completion gets 429 and a gRPC one RESOURCE_EXHAUSTED at once; the other
+    routes still answer; once the stream is cancelled, HTTP is served again."""
+    daemon, _, _, engine = stack
+    http = f"127.0.0.1:{free_port()}"
+    args = ["--max-open-requests", "1", "--http-listen", http]
+    ask = {"model": model_name, "prompt": [5, 6, 7], "max_tokens": 2}
+    with gateway_on_local_redis(engine.address, workdir, 1, args) as gateway, \
+         grpc.insecure_channel(gateway.address) as channel:  # fmt: skip
+        stub = pbg.GatewayStub(channel)
+        sampling = epb.SamplingParams(max_new_tokens=400, ignore_eos=True)
+        held = stub.Generate(gpb.GenerateRequest(token_ids=epb.TokenIds(ids=[5, 6, 7, 8]), sampling=sampling))
+        next(held)
+        refused = httpx.post(f"http://{http}/v1/completions", json=ask, timeout=10)
+        assert refused.status_code == 429, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "resource_exhausted"
+        assert error["message"].startswith("overloaded: 1 requests are open here (--max-open-requests)")
+        with pytest.raises(grpc.RpcError) as grpc_refused:
+            stub.Complete(gpb.GenerateRequest(text="Hi", sampling=epb.SamplingParams(max_new_tokens=1)), timeout=10)
+        assert grpc_refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert httpx.get(f"http://{http}/v1/models", timeout=10).status_code == 200
+        held.cancel()
+        assert wait_for(lambda: httpx.post(f"http://{http}/v1/completions", json=ask, timeout=60).status_code == 200,
+                        10)  # fmt: skip
     assert wait_for(lambda: blocks_held(daemon) == 0, 10), blocks_held(daemon)

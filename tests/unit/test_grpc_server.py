@@ -8,7 +8,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvd.grpc_server import CallLimit, build_server
+from kvd.grpc_server import CallLimit, OpenCalls, build_server
 
 
 class Refused(Exception):
@@ -137,7 +137,7 @@ def _add_endless(_servicer, server: grpc.Server) -> None:
 def test_long_calls_past_the_limit_are_refused_at_once_while_other_calls_are_served():
     server = build_server(
         [(_add_endless, None, "test.Endless")], TABLE, serving=True, max_workers=2, thread_name_prefix="t",
-        long_calls=CallLimit(frozenset({"Generate"}), 3, "--max-open-requests"),
+        long_calls=CallLimit(frozenset({"Generate"}), OpenCalls(3, "--max-open-requests")),
     )  # fmt: skip
     port = server.add_port("127.0.0.1:0")
     server.start()
@@ -169,7 +169,5 @@ def test_long_calls_past_the_limit_are_refused_at_once_while_other_calls_are_ser
 
 
 def test_a_limit_below_one_is_refused():
-    with pytest.raises(ValueError, match="--max-open-requests must be >= 1"):
-        limit = CallLimit(frozenset({"Generate"}), 0, "--max-open-requests")
-        build_server([(_add_endless, None, "t.E")], TABLE, serving=True, max_workers=2, thread_name_prefix="t",
-                     long_calls=limit)  # fmt: skip
+    with pytest.raises(ValueError, match="--max-open-requests must be >= 1, got 0"):
+        OpenCalls(0, "--max-open-requests")
