@@ -25,6 +25,7 @@ from kvd_api.engine.v1 import engine_pb2 as epb
 from kvd_api.gateway.v1 import gateway_pb2 as gpb
 from kvd_api.gateway.v1 import gateway_pb2_grpc as pbg
 from tests.conftest import blocks_held, free_port, gateway_on_local_redis, start_daemon, start_engine, wait_for
+from tests.integration import engine_client
 from tests.integration.engine_client import reference_greedy
 from tests.integration.gateway_client import document
 
@@ -305,4 +306,30 @@ def test_generations_over_both_apis_count_in_one_limit(stack, model_name, workdi
         held.cancel()
         assert wait_for(lambda: httpx.post(f"http://{http}/v1/completions", json=ask, timeout=60).status_code == 200,
                         10)  # fmt: skip
+    assert wait_for(lambda: blocks_held(daemon) == 0, 10), blocks_held(daemon)
+
+
+def test_an_error_after_the_first_token_ends_the_stream_with_an_error_event(stack, model_name, model_dir, workdir):
+    """A second engine on the module's daemon, drained with no time left while
+    an HTTP stream runs on it: the stream's status (200) is sent, so the error
+    comes as an event in OpenAI's shape, which the ``openai`` client raises;
+    no block stays held."""
+    daemon = stack[0]
+    engine = start_engine(daemon, ["--model", str(model_dir), "--dtype", "float64"], workdir)
+    http = f"127.0.0.1:{free_port()}"
+    try:
+        with gateway_on_local_redis(engine.address, workdir, 1, ["--http-listen", http]):
+            client = openai.OpenAI(base_url=f"http://{http}/v1", api_key="unused", max_retries=0, timeout=120)
+            stream = client.completions.create(model=model_name, prompt=[5, 6, 7], max_tokens=400, stream=True,
+                                               extra_body={"ignore_eos": True})  # fmt: skip
+            chunks = iter(stream)
+            assert next(chunks).choices[0].text is not None  # streaming: the status is sent
+            reply = engine_client.stub(engine.address).Drain(epb.DrainRequest(timeout_s=0.01), timeout=60)
+            with pytest.raises(openai.APIError, match="drain ran out of time") as failed:
+                for _ in chunks:
+                    pass
+            assert failed.value.body["code"] == "unavailable"
+            assert reply.cut_short == 1
+    finally:
+        engine.stop()
     assert wait_for(lambda: blocks_held(daemon) == 0, 10), blocks_held(daemon)
