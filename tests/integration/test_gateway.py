@@ -463,13 +463,23 @@ def test_tls(replica, folder):
          "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
         check=True, capture_output=True,
     )  # fmt: skip
-    gw = start_gateway(replica.address, ["--tls-cert", str(cert), "--tls-key", str(key)], folder, wait=False)
+    http = f"127.0.0.1:{free_port()}"
+    args = ["--tls-cert", str(cert), "--tls-key", str(key), "--http-listen", http]
+    gw = start_gateway(replica.address, args, folder, wait=False)
     try:
         with GatewayClient(gw.address, root_certificates=cert, timeout_s=60) as client:
             assert wait_for(lambda: _answers(client), 30), gw.log()
-            assert client.info().block_size == BLOCK
+            info = client.info()
+            assert info.block_size == BLOCK
         with GatewayClient(gw.address, timeout_s=5) as plaintext:
             assert status_of(plaintext.info)[0] == grpc.StatusCode.UNAVAILABLE
+        # The HTTP API serves HTTPS with the same certificate (curl, as a user would call it).
+        models = subprocess.run(["curl", "--silent", "--show-error", "--cacert", str(cert), f"https://{http}/v1/models"],
+                                capture_output=True, text=True, timeout=30)  # fmt: skip
+        assert models.returncode == 0, models.stderr
+        assert json.loads(models.stdout)["data"][0]["id"] == info.model
+        plain = subprocess.run(["curl", "--silent", f"http://{http}/v1/models"], capture_output=True, timeout=30)
+        assert plain.returncode != 0 or not plain.stdout.startswith(b"{")  # plain HTTP gets no answer
     finally:
         gw.stop()
 
