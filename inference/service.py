@@ -324,7 +324,7 @@ def usage(seq: Sequence, completion_tokens: int) -> pb.Usage:
 CONTROL_THREADS = 64
 
 
-def build_server(service: EngineService, max_open_requests: int = 256) -> Server:
+def build_server(service: EngineService, max_open_requests: int) -> Server:
     """The engine's server: health NOT_SERVING until the engine is attached,
     reflection, at most ``max_open_requests`` generations at once (no port yet)."""
     return build_grpc_server(

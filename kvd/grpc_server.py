@@ -109,11 +109,6 @@ class OpenCalls:
         self._open = 0
         self._lock = threading.Lock()
 
-    @property
-    def open(self) -> int:
-        with self._lock:
-            return self._open
-
     def try_open(self) -> bool:
         """Counts one more call, unless ``limit`` are open (then False)."""
         with self._lock:
