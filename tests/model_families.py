@@ -21,6 +21,9 @@ import torch
 VOCAB = 512
 #: Shorter than every matrix prompt, longer than a block: windows cut mid-block.
 WINDOW = 20
+#: The matrix engines' token budget (CPU and GPU): shorter than every prompt,
+#: so each is prefilled in chunks.
+TOKEN_BUDGET = 24
 
 
 @dataclass(frozen=True)

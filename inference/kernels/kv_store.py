@@ -7,7 +7,8 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# slot_mapping is a view of the step's packed inputs: its alignment varies (see paged_attention.py).
+@triton.jit(do_not_specialize_on_alignment=["slot_mapping"])
 def _store_kv_kernel(
     key, value, k_cache, v_cache, slot_mapping,
     stride_kt, stride_kh, stride_kd,

@@ -7,7 +7,7 @@ read once for all of them::
 
     tile row r:  query q_tile * BLOCK_Q + r // GROUP,  head kv_head * GROUP + r % GROUP
 
-It walks the sequence's positions in tiles of ``BLOCK_N`` (64, whatever the
+It walks the sequence's positions in tiles of ``BLOCK_N`` (32 or 64, whatever the
 block size: each position finds its block through the block-table row),
 up to the last position its queries see (causal: a chunk's queries are the
 last ``q_len`` of ``seq_len`` positions), with an online softmax in float32.
@@ -16,6 +16,14 @@ partial results (unnormalised output, running max, running sum) a second
 kernel merges: more programs in flight when a step has few sequences and
 long contexts (split-KV).
 
+Tiles (:func:`choose_tiles`): 16-bit inputs go through the tensor cores,
+64 query rows for prefill tiles, 16 for decodes; float32 dots are IEEE FMA
+loops whose operands all live in registers, so float32 takes 16-row, 32-position
+tiles (64-row tiles spilled 14-74 KB per thread to local memory, compiled for
+sm_90). Head dims above 128 (above 64 in float32) get 8 warps: with 4 those
+tiles spilled too. tests/kernel_compile.py compiles every variant for sm_90
+and sm_80 on the CPU and reports registers and spills.
+
 Optional per layer: ``scale`` (default ``head_dim ** -0.5``), ``logit_softcap``
 (``cap * tanh(score / cap)``, applied after scaling) and ``sliding_window``
 (a query at position p sees positions > p - window).
@@ -23,13 +31,46 @@ Optional per layer: ``scale`` (default ``head_dim ** -0.5``), ``logit_softcap``
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from inference.kernels.launch import LaunchShape
 
-_LOG2E = 1.4426950408889634
+# A global a kernel reads must be a constexpr: the GPU compiler refuses a
+# plain one (the CPU interpreter does not check).
+_LOG2E = tl.constexpr(1.4426950408889634)
+
+# NOTE: the step's int32 inputs are views of one packed buffer, so their
+# alignment changes with the step's token and sequence counts, as do the
+# table width, the split count and the split buffers' outer strides; Triton
+# would compile a new variant for each combination it sees. None of them
+# feeds a vector load (each is read one scalar or one gather at a time), so
+# none is specialized on.
+_STEP_POINTERS = ["block_table", "query_start", "seq_lens"]
+_STEP_INTS = ["num_splits", "stride_table", "stride_pa_s", "stride_ps_s"]
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """One launch's tile sizes: query rows (``block_m``, heads of a group
+    packed in), positions per K/V tile (``block_n``), warps per program."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+
+
+def choose_tiles(dtype: torch.dtype, group: int, head_dim: int, decode: bool) -> Tiles:
+    """The tiles for a launch (see the module's docstring for why these)."""
+    if dtype == torch.float32:
+        block_m, block_n = 16, 32
+    else:
+        block_m, block_n = (16 if decode else 64), 64
+    num_warps = 8 if head_dim > (64 if dtype == torch.float32 else 128) else 4
+    return Tiles(max(block_m, triton.next_power_of_2(group)), block_n, num_warps)
 
 
 @triton.jit
@@ -37,7 +78,7 @@ def _tanh(x):
     return 2.0 * tl.sigmoid(2.0 * x) - 1.0
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_STEP_INTS, do_not_specialize_on_alignment=_STEP_POINTERS)
 def _paged_attention_kernel(
     q, k_cache, v_cache, out, part_acc, part_stats,
     block_table, query_start, seq_lens,
@@ -130,7 +171,7 @@ def _paged_attention_kernel(
         tl.store(o_ptrs, (acc / norm[:, None]).to(out.dtype.element_ty), mask=store_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_pa_s", "stride_ps_s"])
 def _merge_splits_kernel(
     out, part_acc, part_stats, num_splits,
     stride_ot, stride_oh, stride_od,
@@ -187,9 +228,8 @@ def paged_attention(
     tokens, heads, head_dim = query.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
-    block_m = max(16 if shape.max_query_len == 1 else 64, triton.next_power_of_2(group))
-    block_q = block_m // group
-    block_n = 64
+    tiles = choose_tiles(query.dtype, group, head_dim, decode=shape.max_query_len == 1)
+    block_q = tiles.block_m // group
     block_d = max(16, triton.next_power_of_2(head_dim))
     splits = shape.num_splits
     if out is None:
@@ -207,9 +247,10 @@ def paged_attention(
         head_dim**-0.5 if scale is None else scale, logit_softcap or 0.0, sliding_window or 0, splits,
         *query.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
         *part_acc.stride()[:3], *part_stats.stride()[:3],
-        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+        GROUP=group, BLOCK_Q=block_q, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
         SPLIT=splits > 1, SOFTCAP=bool(logit_softcap), WINDOW=bool(sliding_window), PRECISION=precision,
+        num_warps=tiles.num_warps,
     )  # fmt: skip
     if splits > 1:
         _merge_splits_kernel[(tokens, heads)](

@@ -21,20 +21,26 @@ import torch
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
-def build(folder: Path, tokenizer_dir: Path | None = None, seed: int = 0, device: str = "cpu"):
-    """Writes the model (and a tokenizer) to ``folder``; returns the model (bfloat16, on ``device``:
-    initialising 1B parameters takes seconds on a GPU, tens of seconds on a CPU)."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+def config(vocab_size: int = 32000):
+    """The model's transformers config."""
+    from transformers import LlamaConfig
 
-    vocab_size = len(AutoTokenizer.from_pretrained(tokenizer_dir)) if tokenizer_dir else 32000
-    torch.manual_seed(seed)
-    config = LlamaConfig(
+    return LlamaConfig(
         hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=32,
         num_key_value_heads=8, vocab_size=vocab_size, max_position_embeddings=4096, torch_dtype="bfloat16",
         bos_token_id=1, eos_token_id=2,
     )  # fmt: skip
+
+
+def build(folder: Path, tokenizer_dir: Path | None = None, seed: int = 0, device: str = "cpu"):
+    """Writes the model (and a tokenizer) to ``folder``; returns the model (bfloat16, on ``device``:
+    initialising 1B parameters takes seconds on a GPU, tens of seconds on a CPU)."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    vocab_size = len(AutoTokenizer.from_pretrained(tokenizer_dir)) if tokenizer_dir else 32000
+    torch.manual_seed(seed)
     with torch.device(device):
-        model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+        model = LlamaForCausalLM(config(vocab_size)).to(torch.bfloat16).eval()
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     if tokenizer_dir:

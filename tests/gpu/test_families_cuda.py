@@ -25,14 +25,13 @@ from inference.app import EngineApp, EngineSettings
 from tests.conftest import start_daemon, wait_serving
 from tests.integration.engine_client import assert_close_to_reference, reference_generate, stream_with_top5, stub
 from tests.integration.test_model_families import prompts
-from tests.model_families import FAMILIES, build
+from tests.model_families import FAMILIES, TOKEN_BUDGET, build
 
 pytestmark = pytest.mark.gpu
 
 NEW_TOKENS = 8
 BLOCK_SIZE = 16  # the Triton backend's multiple
 NUM_BLOCKS = 10  # holds any one sequence (at most 5 blocks), never all six at once
-TOKEN_BUDGET = 24  # shorter than every prompt: each is prefilled in chunks
 
 
 @pytest.fixture(scope="module")

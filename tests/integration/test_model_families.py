@@ -34,11 +34,10 @@ from kvd.service import build_server
 from kvd_api.engine.v1 import engine_pb2 as pb
 from tests.conftest import wait_serving
 from tests.integration.engine_client import generate, reference_greedy, request, stub
-from tests.model_families import FAMILIES, VOCAB, WINDOW, build
+from tests.model_families import FAMILIES, TOKEN_BUDGET, VOCAB, WINDOW, build
 
 NEW_TOKENS = 8
 BLOCK_SIZE = 8
-TOKEN_BUDGET = 24  # shorter than every prompt: each is prefilled in chunks
 NUM_BLOCKS = 16  # holds any one sequence (at most 9 blocks), never all six at once
 
 
