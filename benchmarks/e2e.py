@@ -250,6 +250,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def variant_results(runs: list[Run], reference: Run | None, new_tokens: int) -> dict[str, Any]:
+    """A variant's medians over its rounds, and its worst round's agreement with ``hf_generate``."""
+    results = combine_rounds(runs)
+    results["all_outputs_full_length"] = all(len(t) == new_tokens for run in runs for t in run.tokens)
+    if reference is not None:
+        shares = [agreement(run.tokens, reference.tokens) for run in runs]
+        results.update(min(shares, key=lambda a: (a["tokens_match_hf_generate"], a["matching_prefix_share"])))
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
@@ -288,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     def attempt(variant: str, work) -> Any:
-        """Runs one piece of a variant's work; a failure is reported, the others go on."""
+        """Runs one piece of a variant's work; a failure is reported, the others
+        go on. The JSON is rewritten after each piece (a run cut short keeps them)."""
         if variant in failed:
             return None
         try:
@@ -298,7 +309,83 @@ def main(argv: list[str] | None = None) -> int:
             logs = engines[variant].logs() if variant in engines else ""
             failed[variant] = f"{type(exc).__name__}: {exc}\n{logs}".strip()
             return None
+        finally:
+            harness.write_json(args.json, report(complete=False))
 
+    def report(complete: bool) -> dict[str, Any]:
+        """The JSON of what has run so far (each variant's rounds to date)."""
+        measured = {k: v for k, v in results.items() if k == "warm_cold"}
+        reference = (runs.get("hf_generate") or [None])[0]
+        for variant in chosen:
+            if variant in failed:
+                measured[variant] = {**dict.fromkeys(METRICS), "error": failed[variant]}
+            elif runs.get(variant):
+                measured[variant] = variant_results(runs[variant], reference, sizes["new_tokens"])
+        if "kvd" in failed:
+            measured["warm_cold"] = {"ttft_cold_s": None, "ttft_warm_s": None, "error": "the kvd variant failed"}
+        ratios = build_ratios(measured)
+        hf_cb_params = {
+            "api": "model.init_continuous_batching + warmup + start + add_requests (what generate_batch runs)",
+            "page_size": BLOCK_SIZE,
+            "num_blocks": num_blocks,
+            "max_batch_tokens": args.token_budget,
+            "allow_block_sharing": True,
+            "attn_implementation": (measured.get("hf_continuous_batching") or {}).get("attn_implementation"),
+        }
+        return {
+            "benchmark": "e2e",
+            "quick": args.quick,
+            "complete": complete,
+            "machine": {
+                **harness.machine_info(),
+                "torch_threads": torch.get_num_threads(),
+                "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+                **({"gpu": torch.cuda.get_device_name()} if args.device.startswith("cuda") else {}),
+            },
+            "code": code,
+            "workload": {
+                **w.params,
+                "model": args.model,
+                "model_path": str(model_path),
+                "dtype": dtype,
+                "device": args.device,
+                "transformers": transformers.__version__,
+                "greedy": True,
+                "eos": "disabled (eos_token_id=None / ignore_eos)",
+                "variants": chosen,
+                "block_size": BLOCK_SIZE,
+                "kvd_num_blocks": num_blocks,
+                "kvd_token_budget": args.token_budget,
+                "kvd_max_num_seqs": args.max_num_seqs,
+                "workload": "quick" if args.quick else args.workload,
+                "kvd_no_cache": "engine --no-prefix-caching (every request gets a cache salt of its own)",
+                "hf_continuous_batching": hf_cb_params,
+                "hf_generate": "model.generate per request, in order; attention_mask all ones, min/max_new_tokens",
+                "submission": "all requests at t = 0 (engines: one client thread per request, released together)",
+                "timing": {
+                    "total_s": "t = 0 to the last request's last token (as the client received it)",
+                    "ttft": "t = 0 to the first new token: hf_generate: a streamer's put() right after the first "
+                    "token is sampled (so request i waits for 0..i-1); hf_continuous_batching: the manager's "
+                    "per-token timestamp (record_timestamps); engines: first streamed gRPC message with tokens",
+                    "warm_cold": "one request at a time on the idle kvd engine; TTFT from its submission; medians",
+                },
+                "warmup": "one short request per variant, not timed, sharing no prefix with the workload",
+                "rounds": rounds,
+                "rounds_order": "hf_generate once; then per round hf_continuous_batching, kvd_no_cache, kvd in "
+                "turn (engines stay up; each round its own cache salt, so it starts cold); reported metrics are "
+                "medians over rounds",
+                "engines": launched,
+            },
+            "results": harness.rounded(measured),
+            "ratios": harness.rounded(ratios),
+            "ratios_per_round": harness.rounded(paired_ratios(measured)),
+            "targets": harness.rounded(check_targets(ratios)),
+            "total_s": round(time.perf_counter() - started, 1),
+        }
+
+    code = harness.source_digest(
+        ("kvd/**/*.py", "inference/**/*.py", "protos/**/*.proto", "benchmarks/e2e*.py", "benchmarks/harness/*.py")
+    )
     try:
         if "hf_generate" in chosen:  # the reference outputs; once (the slowest, and in no target)
             run = attempt("hf_generate", lambda: run_hf_generate(model, w, sizes["new_tokens"]))
@@ -336,84 +423,11 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.copyfile(log_file, target)
         shutil.rmtree(workdir, ignore_errors=True)
 
-    reference = (runs.get("hf_generate") or [None])[0]
-    for variant in chosen:
-        if variant in failed:
-            results[variant] = {**dict.fromkeys(METRICS), "error": failed[variant]}
-            continue
-        results[variant] = combine_rounds(runs[variant])
-        results[variant]["all_outputs_full_length"] = all(
-            len(t) == sizes["new_tokens"] for run in runs[variant] for t in run.tokens
-        )
-        if reference is not None:  # the worst round
-            shares = [agreement(run.tokens, reference.tokens) for run in runs[variant]]
-            worst = min(shares, key=lambda a: (a["tokens_match_hf_generate"], a["matching_prefix_share"]))
-            results[variant].update(worst)
-    if "kvd" in failed:
-        results["warm_cold"] = {"ttft_cold_s": None, "ttft_warm_s": None, "error": "the kvd variant failed"}
-    ratios = build_ratios(results)
-    targets = check_targets(ratios)
-    hf_cb_params = {
-        "api": "model.init_continuous_batching + warmup + start + add_requests (what generate_batch runs)",
-        "page_size": BLOCK_SIZE,
-        "num_blocks": num_blocks,
-        "max_batch_tokens": args.token_budget,
-        "allow_block_sharing": True,
-        "attn_implementation": (results.get("hf_continuous_batching") or {}).get("attn_implementation"),
-    }
-    report = {
-        "benchmark": "e2e",
-        "quick": args.quick,
-        "machine": {
-            **harness.machine_info(),
-            "torch_threads": torch.get_num_threads(),
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-        },
-        "code": harness.source_digest(
-            ("kvd/**/*.py", "inference/**/*.py", "protos/**/*.proto", "benchmarks/e2e*.py", "benchmarks/harness/*.py")
-        ),
-        "workload": {
-            **w.params,
-            "model": args.model,
-            "model_path": str(model_path),
-            "dtype": dtype,
-            "device": args.device,
-            "transformers": transformers.__version__,
-            "greedy": True,
-            "eos": "disabled (eos_token_id=None / ignore_eos)",
-            "variants": chosen,
-            "block_size": BLOCK_SIZE,
-            "kvd_num_blocks": num_blocks,
-            "kvd_token_budget": args.token_budget,
-            "kvd_max_num_seqs": args.max_num_seqs,
-            "workload": "quick" if args.quick else args.workload,
-            "kvd_no_cache": "engine --no-prefix-caching (every request gets a cache salt of its own)",
-            "hf_continuous_batching": hf_cb_params,
-            "hf_generate": "model.generate per request, in order; attention_mask all ones, min/max_new_tokens",
-            "submission": "all requests at t = 0 (engines: one client thread per request, released together)",
-            "timing": {
-                "total_s": "t = 0 to the last request's last token (as the client received it)",
-                "ttft": "t = 0 to the first new token: hf_generate: a streamer's put() right after the first "
-                "token is sampled (so request i waits for 0..i-1); hf_continuous_batching: the manager's "
-                "per-token timestamp (record_timestamps); engines: first streamed gRPC message with tokens",
-                "warm_cold": "one request at a time on the idle kvd engine; TTFT from its submission; medians",
-            },
-            "warmup": "one short request per variant, not timed, sharing no prefix with the workload",
-            "rounds": rounds,
-            "rounds_order": "hf_generate once; then per round hf_continuous_batching, kvd_no_cache, kvd in turn "
-            "(engines stay up; each round its own cache salt, so it starts cold); reported metrics are medians "
-            "over rounds",
-            "engines": launched,
-        },
-        "results": harness.rounded(results),
-        "ratios": harness.rounded(ratios),
-        "ratios_per_round": harness.rounded(paired_ratios(results)),
-        "targets": harness.rounded(targets),
-        "total_s": round(time.perf_counter() - started, 1),
-    }
-    harness.write_json(args.json, report)
-    print_report(results, ratios, targets)
-    if args.plot and reference is not None:
+    final = report(complete=True)
+    harness.write_json(args.json, final)
+    results = final["results"]
+    print_report(results, final["ratios"], final["targets"])
+    if args.plot and runs.get("hf_generate"):
         shown = [v for v in chosen if v not in failed]
         series = {
             "output tokens/s": [
@@ -425,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
             args.plot, shown, series, "x hf_generate", f"e2e shared-prefix workload ({args.model}, {args.device})"
         ):
             harness.log(f"plot written to {args.plot}")
-    harness.log(f"results written to {args.json} in {report['total_s']}s")
+    harness.log(f"results written to {args.json} in {final['total_s']}s")
     return 1 if failed else 0
 
 

@@ -97,6 +97,18 @@ def run_warm_cold(stub, w: Workload, new_tokens: int) -> dict[str, Any]:
     }
 
 
+#: Lines of a log kept with a failure (a Triton compile error alone is ~30).
+LOG_TAIL_LINES = 200
+
+
+def graph_mode(engine_log: str) -> str:
+    """What an engine's log says of its CUDA graphs: ``captured``, ``eager``
+    (the capture failed: every step ran eagerly) or ``off`` (never tried)."""
+    if "captured CUDA graphs" in engine_log:
+        return "captured"
+    return "eager" if "CUDA graph capture failed" in engine_log else "off"
+
+
 class EngineVariant:
     """A kvd daemon and engine serving one variant for every round: started
     by ``start``, stopped by ``stop``."""
@@ -148,6 +160,7 @@ class EngineVariant:
             "daemon": " ".join(self.daemon.command).replace(self.workdir, "<tmpdir>"),
             "engine": " ".join(self.engine.command).replace(self.workdir, "<tmpdir>").replace(sys.executable, "python"),
             "engine_startup_s": round(self.engine.startup_s, 2),
+            "cuda_graphs": graph_mode(self.engine.log_tail(LOG_TAIL_LINES)),
         }
 
     def run(self, w: Workload, new_tokens: int, round_index: int) -> Run:
@@ -160,7 +173,8 @@ class EngineVariant:
         return run_warm_cold(self.stub, w, new_tokens)
 
     def logs(self) -> str:
-        return f"--- engine log ---\n{self.engine.log_tail()}\n--- kvd log ---\n{self.daemon.log_tail()}"
+        engine, daemon = self.engine.log_tail(LOG_TAIL_LINES), self.daemon.log_tail(LOG_TAIL_LINES)
+        return f"--- engine log ---\n{engine}\n--- kvd log ---\n{daemon}"
 
     def stop(self) -> None:
         if self.channel is not None:

@@ -14,7 +14,11 @@ In one process, on the random-weight Llama of tests/gpu/random_llama.py
   profiler), engine wall time per step (``ModelRunner.forward`` + sampling,
   host included) and the blocking syncs per step (``set_sync_debug_mode``),
   on the engine's path (the step replays its bucket's CUDA graph) and, as
-  ``*_eager_s``, with every kernel launched from Python;
+  ``*_eager_s``, with every kernel launched from Python; ``mode`` says
+  which the unsuffixed figures are (``eager`` when the capture failed:
+  ``capture_error`` says why); ``gpu_elapsed_step_s`` is the same steps
+  timed by CUDA events, a check on the profiler's sum (which could miss
+  the kernels of a graph);
 - ``capture``: what the engine's capture at attach costs with its default
   settings (64 sequences, a 512-token budget): seconds, graphs, device bytes;
 - ``attention``: one layer's Triton paged attention against gathering the
@@ -25,16 +29,24 @@ In one process, on the random-weight Llama of tests/gpu/random_llama.py
 
     python3 benchmarks/gpu_step.py --json FILE [--quick]
 
-Without CUDA it says so and exits with status 2, measuring nothing.
+The model is ``$KVD_GPU_MODEL`` when that folder holds one (tests/gpu/run.sh
+builds it once), else built here on the GPU. The JSON is rewritten after
+each case, so a run cut short keeps what it measured. Without CUDA it says
+so and exits with status 2, measuring nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
+import os
 import sys
 import tempfile
 import time
+import traceback
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -95,9 +107,19 @@ def decode_case(model, batch: int, context: int, shared: bool) -> tuple[list, to
     return chunks, cache, batch * (context + 1) * per_token
 
 
-def time_decode(model, chunks, cache, steps: int) -> dict[str, float]:
+#: time_steps' figures as the eager columns of a decode case.
+EAGER_COLUMNS = {
+    "gpu_step_s": "gpu_step_eager_s",
+    "gpu_elapsed_step_s": "gpu_elapsed_step_eager_s",
+    "wall_step_s": "wall_step_eager_s",
+    "blocking_syncs_per_step": "blocking_syncs_per_step_eager",
+}
+
+
+def time_decode(model, chunks, cache, steps: int) -> dict[str, Any]:
     """The step eagerly, then on the engine's path: its bucket's graph
-    captured as the engine captures it (split count for the model's context)."""
+    captured as the engine captures it (split count for the model's context).
+    A failed capture keeps the eager figures (``mode: eager``)."""
     from inference.cuda_graphs import CudaGraphCapture, GraphPlan, capture_graphs
     from inference.model_runner import ModelRunner
 
@@ -105,17 +127,39 @@ def time_decode(model, chunks, cache, steps: int) -> dict[str, float]:
     eager = time_steps(runner, chunks, steps)
     batch = len(chunks)
     plan = GraphPlan((batch,), (), batch, model.config.max_position_embeddings)
-    runner.graphs = capture_graphs(runner, plan, CudaGraphCapture(runner.device))
+    with capture_errors() as errors:
+        runner.graphs = capture_graphs(runner, plan, CudaGraphCapture(runner.device))
+    eager_columns = {EAGER_COLUMNS[key]: value for key, value in eager.items()}
     if runner.graphs is None:
-        raise RuntimeError("CUDA graph capture failed (see the log above)")
+        return {**eager, **eager_columns, "mode": "eager", "capture_error": errors[-1] if errors else "unknown"}
     graphed = time_steps(runner, chunks, steps)
     assert runner.graphs.replays >= steps, "the decode step did not replay its graph"
-    return {**graphed, "gpu_step_eager_s": eager["gpu_step_s"], "wall_step_eager_s": eager["wall_step_s"],
-            "blocking_syncs_per_step_eager": eager["blocking_syncs_per_step"]}  # fmt: skip
+    return {**graphed, **eager_columns, "mode": "graphed"}
+
+
+@contextlib.contextmanager
+def capture_errors() -> Iterator[list[str]]:
+    """Collects what the engine's capture logs when it fails (it logs and runs eagerly)."""
+    found: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.ERROR:
+                found.append(self.format(record))
+
+    handler = Keep()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger("inference.cuda_graphs")
+    logger.addHandler(handler)
+    try:
+        yield found
+    finally:
+        logger.removeHandler(handler)
 
 
 def time_steps(runner, chunks, steps: int) -> dict[str, float]:
-    """GPU busy time, wall time and blocking syncs of forward + sampling."""
+    """GPU busy time (profiler) and elapsed time (CUDA events), wall time
+    and blocking syncs of forward + sampling."""
     from inference.sampling import Sampler, SamplingParams
 
     sampler = Sampler()
@@ -127,10 +171,15 @@ def time_steps(runner, chunks, steps: int) -> dict[str, float]:
     for _ in range(3):
         step()
     torch.cuda.synchronize()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start = time.perf_counter()
+    begin.record()
     for _ in range(steps):
         step()
+    end.record()
     wall = (time.perf_counter() - start) / steps
+    end.synchronize()
+    elapsed = begin.elapsed_time(end) / 1e3 / steps
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
@@ -144,7 +193,8 @@ def time_steps(runner, chunks, steps: int) -> dict[str, float]:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     syncs = sum("synchroniz" in str(w.message) for w in caught)
-    return {"gpu_step_s": busy_us / 1e6 / steps, "wall_step_s": wall, "blocking_syncs_per_step": syncs}
+    return {"gpu_step_s": busy_us / 1e6 / steps, "gpu_elapsed_step_s": elapsed, "wall_step_s": wall,
+            "blocking_syncs_per_step": syncs}  # fmt: skip
 
 
 def time_capture(model) -> dict[str, float]:
@@ -157,9 +207,10 @@ def time_capture(model) -> dict[str, float]:
     context = model.config.max_position_embeddings
     runner = ModelRunner(model, new_cache(model, 2 * -(-context // BLOCK)), BLOCK)
     plan = GraphPlan.for_engine(c.max_num_seqs, c.token_budget, context)
-    graphs = capture_graphs(runner, plan, CudaGraphCapture(runner.device))
+    with capture_errors() as errors:
+        graphs = capture_graphs(runner, plan, CudaGraphCapture(runner.device))
     if graphs is None:
-        raise RuntimeError("CUDA graph capture failed (see the log above)")
+        return {"capture_error": errors[-1] if errors else "unknown"}
     return {"capture_s": graphs.capture_s, "graphs": len(graphs.buckets), "capture_bytes": graphs.capture_bytes,
             "max_num_seqs": c.max_num_seqs, "token_budget": c.token_budget}  # fmt: skip
 
@@ -209,43 +260,65 @@ def time_attention(batch: int, q_len: int, context: int, kv_heads: int = 8, grou
             "relative_difference": error.item()}  # fmt: skip
 
 
-def run(quick: bool) -> dict[str, Any]:
-    from inference import attention
+def load_model():
+    """``$KVD_GPU_MODEL`` as the engine loads it, or the random Llama built here on the GPU."""
+    from inference import model_store
     from tests.gpu import random_llama
 
-    bandwidth = read_bandwidth()
-    with tempfile.TemporaryDirectory() as folder:
-        model = random_llama.build(Path(folder)).cuda()
+    folder = os.environ.get("KVD_GPU_MODEL")
+    if folder and Path(folder, "config.json").exists():
+        return model_store.load_model(Path(folder), torch.bfloat16, "cuda")
+    with tempfile.TemporaryDirectory() as scratch:
+        return random_llama.build(Path(scratch), device="cuda")
+
+
+def run(quick: bool, save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """Every case in turn; ``save`` gets the results after each (a failed
+    case is recorded with its error, the others still run)."""
+    from inference import attention
+
+    results: dict[str, Any] = {"floor": {"read_bandwidth_gb_per_s": read_bandwidth() / 1e9}, "errors": {}}
+    bandwidth = results["floor"]["read_bandwidth_gb_per_s"] * 1e9
+    model = load_model()
     attention.choose_backend("triton", "cuda")
     model.set_attn_implementation(attention.BACKENDS["triton"])
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     weight_bytes -= model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
-    results: dict[str, Any] = {"floor": {"read_bandwidth_gb_per_s": bandwidth / 1e9, "weight_bytes": weight_bytes}}
-    harness.log("capture (the engine's defaults)")
-    results["capture"] = time_capture(model)
-    torch.cuda.empty_cache()
+    results["floor"]["weight_bytes"] = weight_bytes
+
+    def case(name: str, measure: Callable[[], dict[str, Any]], into: dict[str, Any]) -> None:
+        harness.log(name)
+        try:
+            into[name.split(" ")[-1]] = measure()
+        except Exception:
+            results["errors"][name] = traceback.format_exc()
+            harness.log(results["errors"][name])
+        torch.cuda.empty_cache()
+        save(results)
+
+    case("capture", lambda: time_capture(model), results)
     decode = results["decode"] = {}
     for batch in (1, 16) if quick else BATCHES:
         for ctx_name, context in CONTEXTS.items():
             for shared in (True, False):
                 name = f"b{batch}_{ctx_name}_{'shared' if shared else 'distinct'}"
-                harness.log(f"decode {name}")
-                chunks, cache, kv_bytes = decode_case(model, batch, context, shared)
-                floor = (weight_bytes + kv_bytes) / bandwidth
-                decode[name] = {**time_decode(model, chunks, cache, steps=10 if quick else 30), "floor_s": floor}
-                results["floor"][name] = floor
-                del cache
-                torch.cuda.empty_cache()
-    results["attention"] = {
-        "decode_ctx2000_b16": time_attention(16, 1, 2000),
-        "decode_ctx2000_b64": time_attention(64, 1, 2000),
-        "prefill_512_over_2000": time_attention(1, 512, 2512),
-    }
+
+                def measure(batch=batch, context=context, shared=shared, name=name):
+                    chunks, cache, kv_bytes = decode_case(model, batch, context, shared)
+                    floor = results["floor"][name] = (weight_bytes + kv_bytes) / bandwidth
+                    return {**time_decode(model, chunks, cache, steps=10 if quick else 30), "floor_s": floor}
+
+                case(f"decode {name}", measure, decode)
+    attention_results = results["attention"] = {}
+    for name, args in (("decode_ctx2000_b16", (16, 1, 2000)), ("decode_ctx2000_b64", (64, 1, 2000)),
+                       ("prefill_512_over_2000", (1, 512, 2512))):  # fmt: skip
+        case(f"attention {name}", lambda args=args: time_attention(*args), attention_results)
     return results
 
 
 def build_ratios(results: dict[str, Any]) -> dict[str, float | None]:
-    d, a = results["decode"], results["attention"]
+    """The targets' ratios from what was measured (None where a case is missing)."""
+    d, a = results.get("decode", {}), results.get("attention", {})
     bw = results["floor"]["read_bandwidth_gb_per_s"]
 
     def over_floor(name):
@@ -254,14 +327,14 @@ def build_ratios(results: dict[str, Any]) -> dict[str, float | None]:
     b16 = d.get("b16_ctx2000_distinct", {})
 
     def speedup(case):  # SDPA-on-gathered time over Triton time
-        return harness.ratio(a[case]["sdpa_gathered_us"], a[case]["triton_us"])
+        return harness.ratio(a[case]["sdpa_gathered_us"], a[case]["triton_us"]) if case in a else None
 
     return {
         "decode_over_floor_b16": over_floor("b16_ctx2000_distinct"),
         "decode_over_floor_b64": over_floor("b64_ctx2000_distinct"),
         "wall_over_gpu_b16": harness.ratio(b16.get("wall_step_s"), b16.get("gpu_step_s")),
         "eager_over_graphed_wall_b16": harness.ratio(b16.get("wall_step_eager_s"), b16.get("wall_step_s")),
-        "attention_bandwidth_share": harness.ratio(a["decode_ctx2000_b64"]["kv_gb_per_s"], bw),
+        "attention_bandwidth_share": harness.ratio(a.get("decode_ctx2000_b64", {}).get("kv_gb_per_s"), bw),
         "triton_over_sdpa_decode": speedup("decode_ctx2000_b64"),
         "triton_over_sdpa_prefill": speedup("prefill_512_over_2000"),
     }
@@ -275,22 +348,28 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("gpu_step.py measures the engine on a CUDA GPU and this machine has none: nothing measured, no JSON")
         return 2
-    results = run(args.quick)
-    ratios = build_ratios(results)
     machine = {**harness.machine_info(), "gpu": torch.cuda.get_device_name()}
     workload = {"model": "tests/gpu/random_llama.py (bfloat16)", "block_size": BLOCK, "batches": list(BATCHES),
                 "contexts": CONTEXTS, "backend": "triton"}  # fmt: skip
-    data = {"benchmark": "gpu_step", "quick": args.quick, "machine": machine, "workload": workload,
-            "results": results, "ratios": ratios}  # fmt: skip
-    harness.write_json(args.json, harness.rounded(data))
-    rows = [(name, r["gpu_step_s"] * 1e3, r["wall_step_s"] * 1e3, r["gpu_step_eager_s"] * 1e3,
-             r["wall_step_eager_s"] * 1e3, r["floor_s"] * 1e3, r["blocking_syncs_per_step"])
-            for name, r in results["decode"].items()]  # fmt: skip
-    headers = ["decode", "gpu ms", "wall ms", "eager gpu ms", "eager wall ms", "floor ms", "syncs"]
+
+    def save(results: dict[str, Any], complete: bool = False) -> None:
+        data = {"benchmark": "gpu_step", "quick": args.quick, "complete": complete, "machine": machine,
+                "workload": workload, "results": results, "ratios": build_ratios(results)}  # fmt: skip
+        harness.write_json(args.json, harness.rounded(data))
+
+    results = run(args.quick, save)
+    save(results, complete=True)
+    rows = [(name, r["mode"], r["gpu_step_s"] * 1e3, r["gpu_elapsed_step_s"] * 1e3, r["wall_step_s"] * 1e3,
+             r["gpu_step_eager_s"] * 1e3, r["wall_step_eager_s"] * 1e3, r["floor_s"] * 1e3,
+             r["blocking_syncs_per_step"]) for name, r in results["decode"].items()]  # fmt: skip
+    headers = ["decode", "mode", "gpu ms", "elapsed ms", "wall ms", "eager gpu ms", "eager wall ms", "floor ms",
+               "syncs"]  # fmt: skip
     print(harness.format_table(headers, rows))
-    print(harness.format_table(["capture", "value"], list(results["capture"].items())))
-    print(harness.format_table(["ratio", "value"], list(ratios.items())))
-    return 0
+    print(harness.format_table(["capture", "value"], list(results.get("capture", {}).items())))
+    print(harness.format_table(["ratio", "value"], list(build_ratios(results).items())))
+    for name, error in results["errors"].items():
+        print(f"{name} FAILED:\n{error}")
+    return 1 if results["errors"] else 0
 
 
 if __name__ == "__main__":

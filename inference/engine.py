@@ -414,16 +414,30 @@ class Engine:
             return False
         except ValueError as err:  # e.g. a layout or block size this engine cannot use
             log.error("cannot serve with this daemon", extra={"error": str(err)})
-            self.fatal = str(err)
-            self._stop.set()
-            return False
+            return self._give_up(str(err))
+        except Exception as err:  # mapping its memory failed (CUDA IPC, shared memory): a retry fails alike
+            log.exception("attaching to the KV-cache daemon failed")
+            return self._give_up(f"attaching to the KV-cache daemon failed: {type(err).__name__}: {err}")
         assert session.cache is not None
-        self.session = session
-        self.runner = self._make_runner(session.cache, session.layout.block_size)
+        try:
+            runner = self._make_runner(session.cache, session.layout.block_size)
+        except Exception as err:  # e.g. no interprocess CUDA events here
+            log.exception("preparing the model on the daemon's memory failed")
+            with contextlib.suppress(grpc.RpcError):
+                session.detach()
+            return self._give_up(f"preparing the model on the daemon's memory failed: {type(err).__name__}: {err}")
+        self.session, self.runner = session, runner
         self.runner.before_write = session.check_lease  # checked per layer, see inference/attention.py
         log.info("attached to the KV-cache daemon", extra={"session": session.session_id})
         self._on_health(True)
         return True
+
+    def _give_up(self, reason: str) -> bool:
+        """The engine can never serve: its process exits (``fatal``, read by
+        kvd-engine's main) instead of staying up unhealthy with no one told."""
+        self.fatal = reason
+        self._stop.set()
+        return False
 
     def _lost_daemon(self, message: str) -> None:
         """Ends every request with an error, never with wrong tokens."""

@@ -254,14 +254,41 @@ def _prepare_socket(path: str) -> None:
             probe.close()
 
 
+#: What the CUDA allocator must do for the cache to be exported by IPC handle:
+#: allocate it as its own cudaMalloc segment (expandable segments map memory
+#: otherwise and export it as file descriptors, which a sandboxed GPU machine
+#: may refuse), with the native allocator (cudaMallocAsync memory has no IPC handle).
+IPC_ALLOCATOR = {"expandable_segments": "False", "backend": "native"}
+#: Where torch reads its allocator settings (the first wins; the second is the older name).
+ALLOCATOR_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def ipc_allocator_conf(preset: str | None) -> str:
+    """``preset`` (an allocator setting such as ``max_split_size_mb:512``) with
+    what :data:`IPC_ALLOCATOR` needs put in place of its own values."""
+    kept = [entry for entry in (preset or "").split(",") if entry and entry.split(":")[0].strip() not in IPC_ALLOCATOR]
+    return ",".join([*kept, *(f"{key}:{value}" for key, value in IPC_ALLOCATOR.items())])
+
+
+def _force_ipc_allocator() -> None:
+    """Sets the allocator up for the export, whatever the environment preset
+    (before the first CUDA allocation reads it); says so when it changed a preset."""
+    for name in ALLOCATOR_VARIABLES:
+        preset = os.environ.get(name)
+        if preset is None and name != "PYTORCH_CUDA_ALLOC_CONF":
+            continue
+        os.environ[name] = ipc_allocator_conf(preset)
+        if preset is not None and preset != os.environ[name]:
+            log.warning("CUDA allocator settings changed for the cache's IPC export",
+                        extra={"variable": name, "preset": preset, "now": os.environ[name]})  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     refuse_retired_variables("kvd")
     args = parse(COMMAND, argv)
     logs.configure(args.log_level)
     if args.device.startswith("cuda") or args.device == "auto":
-        # NOTE: the exported cache must be its own cudaMalloc segment so its IPC
-        # handle covers exactly it; expandable segments would map it differently.
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+        _force_ipc_allocator()
     from prometheus_client import start_http_server
 
     from kvd.daemon import Daemon

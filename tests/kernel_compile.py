@@ -184,13 +184,14 @@ def _kernels():
     return [kv_store._store_kv_kernel, paged_attention._paged_attention_kernel, paged_attention._merge_splits_kernel]
 
 
-def record_variants(cases, num_sms: int) -> tuple[list[tuple[Variant, str]], list[str]]:
-    """Runs the cases on CPU tensors, recording; returns the distinct variants
-    (each with the case that first launched it) and the cases' failures."""
+def record_variants(cases, num_sms: int, arch: int = 90) -> tuple[list[tuple[Variant, str]], list[str]]:
+    """Runs the cases on CPU tensors, recording as for ``sm_{arch}``; returns
+    the distinct variants (each with the case that first launched it) and the
+    cases' failures."""
     import torch
 
     failures = []
-    with recording() as found:
+    with recording(arch) as found:
         for case in cases:
             current_case[0] = case.label
             try:
@@ -258,16 +259,27 @@ def _compile_in_worker(job: tuple[Variant, str, int]) -> Compiled:
     return compile_variant(*job)
 
 
-def compile_all(variants: list[tuple[Variant, str]], archs: list[int], workers: int) -> list[Compiled]:
-    """Every variant for every target, in ``workers`` fresh processes sharing
-    one fresh Triton cache (the slowest first, float32's IEEE dots)."""
+def compile_all(
+    variants: list[tuple[Variant, str]], archs: list[int], workers: int, cache_dir: str | None = None
+) -> list[Compiled]:
+    """Every variant for every target, in ``workers`` fresh processes, the
+    slowest first (float32's IEEE dots), into ``cache_dir`` (None: a fresh
+    one, so that every variant is compiled and ptxas reports on each; a GPU
+    machine's own cache: its later launches find them compiled)."""
     jobs = [(variant, case, arch) for arch in archs for variant, case in variants]
     jobs.sort(key=lambda job: job[0].dtype != "fp32")
-    with tempfile.TemporaryDirectory(prefix="kvd-triton-cache-") as cache:
-        os.environ["TRITON_CACHE_DIR"] = cache  # the workers inherit it
-        context = multiprocessing.get_context("spawn")  # no inherited torch threads
-        with ProcessPoolExecutor(workers, mp_context=context) as pool:
-            results = list(pool.map(_compile_in_worker, jobs))
+    previous = os.environ.get("TRITON_CACHE_DIR")
+    with tempfile.TemporaryDirectory(prefix="kvd-triton-cache-") as fresh:
+        os.environ["TRITON_CACHE_DIR"] = cache_dir or fresh  # the workers inherit it
+        try:
+            context = multiprocessing.get_context("spawn")  # no inherited torch threads
+            with ProcessPoolExecutor(workers, mp_context=context) as pool:
+                results = list(pool.map(_compile_in_worker, jobs))
+        finally:
+            if previous is None:
+                del os.environ["TRITON_CACHE_DIR"]
+            else:
+                os.environ["TRITON_CACHE_DIR"] = previous
     for result, (variant, _, _) in zip(results, jobs, strict=True):
         result.problems += input_dtype_problems(variant)
     return results

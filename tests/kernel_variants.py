@@ -108,7 +108,9 @@ def engine_models() -> list[EngineModel]:
     ]
 
 
-def _runner(spec: EngineModel, dtype: torch.dtype, device: torch.device, num_sms: int) -> ModelRunner:
+def stand_in_runner(spec: EngineModel, dtype: torch.dtype, device: torch.device, num_sms: int) -> ModelRunner:
+    """A runner of ``spec``'s stand-in (random weights, the Triton backend)
+    on a random cache of a whole context's blocks."""
     from transformers import AutoModelForCausalLM
 
     config = spec.config()
@@ -146,7 +148,7 @@ def engine_steps(max_context: int, num_blocks: int) -> list[list[Chunk]]:
 
 def _engine_case(spec: EngineModel, dtype: str) -> Case:
     def run(device: torch.device, num_sms: int) -> None:
-        runner = _runner(spec, DTYPES[dtype], device, num_sms)
+        runner = stand_in_runner(spec, DTYPES[dtype], device, num_sms)
         max_context = runner.model.config.max_position_embeddings
         plan = GraphPlan.for_engine(EngineConfig.max_num_seqs, spec.token_budget, max_context)
         if capture_graphs(runner, plan, EagerStandIn()) is None:
@@ -165,7 +167,7 @@ def random_steps_case(steps: int, seed: int = 0) -> Case:
 
     def run(device: torch.device, num_sms: int) -> None:
         spec = engine_models()[0]
-        runner = _runner(spec, torch.bfloat16, device, num_sms)
+        runner = stand_in_runner(spec, torch.bfloat16, device, num_sms)
         plan = GraphPlan.for_engine(EngineConfig.max_num_seqs, spec.token_budget, 4096)
         if capture_graphs(runner, plan, EagerStandIn()) is None:
             raise RuntimeError("the capture failed (its error is logged above)")

@@ -63,12 +63,16 @@ def source_digest(globs: Sequence[str] = ("kvd/**/*.py", "protos/**/*.proto")) -
     files = sorted({path for pattern in globs for path in root.glob(pattern) if path.is_file()})
     for path in files:
         digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
-    return {
-        "sha256": digest.hexdigest()[:16],
-        "files": len(files),
-        "git_head": head.stdout.strip() or None,
-    }
+    return {"sha256": digest.hexdigest()[:16], "files": len(files), "git_head": _git_head(root)}
+
+
+def _git_head(root: Path) -> str | None:
+    """The checkout's commit, or None (no git: a GPU machine's image may have none)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+    except OSError:
+        return None
+    return head.stdout.strip() or None
 
 
 #: The code a whole-stack benchmark measures.
@@ -93,8 +97,20 @@ def write_json(path: str | os.PathLike, data: dict[str, Any]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n")
+    tmp.write_text(json.dumps(_finite(data), indent=2, allow_nan=False) + "\n")
     tmp.replace(path)
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with NaN and infinities as None: JSON has no such numbers,
+    and a broken measurement must not cost the file its other figures."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

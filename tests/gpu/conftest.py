@@ -1,4 +1,11 @@
-"""Fixtures of the GPU tests."""
+"""Fixtures of the GPU tests, and their failures reported the moment they happen.
+
+A GPU run's parts are cut at a time limit (tests/gpu/run.sh); pytest would
+print a failure's traceback only at the end of the session, which a cut part
+never reaches. So each failure is printed as it happens, with the last lines
+of every log in the test's working folder (its daemons' and engines'), before
+teardown deletes that folder.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +17,30 @@ import torch
 
 from inference import model_store
 from tests.gpu import random_llama
+
+LOG_TAIL_LINES = 80
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        write = item.config.pluginmanager.get_plugin("terminalreporter").write_line
+        write(f"\n=== FAILED {item.nodeid} ({report.when}) {'=' * 20}")
+        write(report.longreprtext)
+        for line in _log_tails(item.funcargs.get("workdir")):
+            write(line)
+        write(f"=== end of {item.nodeid} {'=' * 20}", flush=True)
+
+
+def _log_tails(workdir: str | None) -> list[str]:
+    """The last lines of each log under the test's working folder."""
+    lines = []
+    for log in sorted(Path(workdir).rglob("*.log")) if workdir else []:
+        tail = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+        lines += [f"--- {log.name}, last {len(tail)} lines ---", *tail]
+    return lines
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,8 @@
 #                   run the same code as on the CPU); about 25 MB
 #   .gpu/tokenizer  SmolLM2's tokenizer files (the e2e workload's real text
 #                   tokenizes as on the CPU only with them); about 3.5 MB
-# Then see tests/gpu/run.sh's header for the device call.
+# Then it checks the wheels against the GPU image (tests/gpu/check_wheels.py)
+# and prints what travels. See tests/gpu/run.sh's header for the device call.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 py=.venv/bin/python
@@ -41,4 +42,11 @@ for name in TOKENIZER_FILES:
         shutil.copyfile(source / name, target / name)
 PY
 ls .whl .gpu/tokenizer
-du -sh .whl .gpu
+# Each wheel's requirements met by another carried wheel or by the GPU image's
+# own packages (a wheel needing a newer huggingface-hub, say, would break
+# every import of transformers there).
+$py tests/gpu/check_wheels.py .whl
+# What travels: the tree (tracked and untracked files git does not ignore) and the two carried folders.
+tree=$(git ls-files -co --exclude-standard -z | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s}')
+carried=$(du -sb .whl .gpu | awk '{s += $1} END {print s}')
+echo "travels: $(((tree + carried) / 1000000)) MB of the 64 MiB (tree $((tree / 1000000)) MB, .whl + .gpu $((carried / 1000000)) MB)"

@@ -1,16 +1,22 @@
-"""The GPU check's table: each target of issue 23 beside what this run measured.
+"""The GPU run's report: its stages, each target of issue 31 beside what the
+run measured, the tests, which figures ran graphed or eager.
 
-    python3 tests/gpu/summary.py OUTDIR    (tests/gpu/run.sh calls it last)
+    python3 tests/gpu/summary.py OUTDIR --stage NAME STATUS SECONDS CAP NOTE
+    python3 tests/gpu/summary.py OUTDIR
 
-Reads what the parts left in OUTDIR (the JSON of the benchmarks, tests.xml,
-families.json), writes OUTDIR/summary.json and prints the table. A figure
-whose part did not finish shows as missing, never as a pass.
+tests/gpu/run.sh calls the first form after each stage (STATUS: the exit
+code, or ``skipped``): it records the stage, merges the pytest stages' junit
+files (``$KVD_GPU_WORK/junit-*.xml``) into OUTDIR/tests.xml and rewrites
+OUTDIR/summary.json, so a run cut short keeps its table. The second form,
+last, prints the table. A figure whose stage did not finish shows as
+missing, never as a pass.
 """
 
 from __future__ import annotations
 
 import json
 import operator
+import os
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -30,6 +36,7 @@ TARGETS = [
     ("large e2e TTFT / HF continuous batching", "gpu_e2e_large.json", "ratios.ttft_vs_hf_cb", "<=", 0.3),
 ]
 _COMPARE = {"<=": operator.le, ">=": operator.ge}
+_TIMED_OUT = {124, 137}  # timeout's exit codes: TERM, then KILL
 
 
 def _load(path: Path) -> dict | None:
@@ -39,7 +46,7 @@ def _load(path: Path) -> dict | None:
         return None
 
 
-def _get(data: dict | None, dotted: str) -> Any:
+def _get(data: Any, dotted: str) -> Any:
     for key in dotted.split("."):
         if not isinstance(data, dict) or key not in data:
             return None
@@ -47,22 +54,61 @@ def _get(data: dict | None, dotted: str) -> Any:
     return data
 
 
+def stage_row(name: str, status: str, seconds: str, cap: str, note: str) -> dict:
+    if status == "skipped":
+        outcome = f"skipped: {note}"
+    elif int(status) == 0:
+        outcome = "ok"
+    elif int(status) in _TIMED_OUT:
+        outcome = f"cut at its cap ({cap} s)"
+    else:
+        outcome = f"failed (exit {status})"
+    return {"stage": name, "outcome": outcome, "seconds": int(seconds), "cap_s": int(cap)}
+
+
+def merge_junit(out: Path, work: Path) -> None:
+    """Every pytest stage's suite, named after its stage, in OUTDIR/tests.xml."""
+    merged = ET.Element("testsuites")
+    for path in sorted(work.glob("junit-*.xml")):
+        try:
+            root = ET.parse(path).getroot()
+        except ET.ParseError:
+            continue
+        for suite in [root] if root.tag == "testsuite" else root.iter("testsuite"):
+            suite.set("name", path.stem.removeprefix("junit-"))
+            merged.append(suite)
+    ET.ElementTree(merged).write(out / "tests.xml", encoding="unicode")
+
+
 def _tests(out: Path) -> dict:
     try:
-        suite = ET.parse(out / "tests.xml").getroot()
+        root = ET.parse(out / "tests.xml").getroot()
     except (OSError, ET.ParseError):
         return {"ran": False}
-    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-    failed = [
-        f"{case.get('classname')}::{case.get('name')}"
-        for case in suite.iter("testcase")
-        if case.find("failure") is not None or case.find("error") is not None
-    ]
-    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    counts = dict.fromkeys(("tests", "failures", "errors", "skipped"), 0)
+    failed = []
+    for suite in root.iter("testsuite"):
+        for key in counts:
+            counts[key] += int(suite.get(key, 0))
+        failed += [
+            f"{suite.get('name')}: {case.get('classname')}::{case.get('name')}"
+            for case in suite.iter("testcase")
+            if case.find("failure") is not None or case.find("error") is not None
+        ]
     return {"ran": True, **counts, "failed": failed}
 
 
-def summarize(out: Path) -> dict:
+def _graphs(out: Path) -> dict:
+    """Whether each figure came from graph replays or eager steps."""
+    step = _get(_load(out / "gpu_step.json"), "results.decode") or {}
+    found: dict[str, Any] = {"gpu_step": {case: r.get("mode") for case, r in step.items()}}
+    for name in ("gpu_e2e", "gpu_e2e_large"):
+        engines = _get(_load(out / f"{name}.json"), "workload.engines") or []
+        found[name] = {e.get("variant"): e.get("cuda_graphs") for e in engines}
+    return found
+
+
+def summarize(out: Path, stages: list[dict]) -> dict:
     rows = []
     for label, file, key, op, target in TARGETS:
         value = _get(_load(out / file), key)
@@ -70,12 +116,18 @@ def summarize(out: Path) -> dict:
         rows.append({"target": label, "key": f"{file}:{key}", "value": value, "wanted": f"{op} {target}", "met": met})
     e2e = {name: _load(out / f"{name}.json") for name in ("gpu_e2e", "gpu_e2e_large")}
     step = _load(out / "gpu_step.json") or {}
-    syncs = {case: r.get("blocking_syncs_per_step") for case, r in (_get(step, "results.decode") or {}).items()}
+    preflight = _load(out / "preflight.json") or {}
     return {
-        "gpu": _get(step, "machine.gpu") or _get(e2e["gpu_e2e"], "machine.gpu"),
+        "gpu": _get(preflight, "gpu.name") or _get(step, "machine.gpu"),
+        "stages": stages,
+        "stages_s": sum(s["seconds"] for s in stages),
+        "preflight": {name: check.get("ok") for name, check in preflight.items()},
         "targets": rows,
         "tests": _tests(out),
-        "blocking_syncs_per_step": syncs,
+        "graphs": _graphs(out),
+        "blocking_syncs_per_step": {
+            case: r.get("blocking_syncs_per_step") for case, r in (_get(step, "results.decode") or {}).items()
+        },  # fmt: skip
         "tokens_match_hf_generate": {
             name: {
                 variant: r.get("tokens_match_hf_generate")
@@ -85,17 +137,15 @@ def summarize(out: Path) -> dict:
             for name, data in e2e.items()
         },
         "families": _load(out / "families.json"),
-        "parts": (out / "summary.txt").read_text().splitlines() if (out / "summary.txt").exists() else [],
     }
 
 
-def main() -> int:
-    out = Path(sys.argv[1])
-    summary = summarize(out)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+def print_table(summary: dict) -> None:
     print(f"GPU: {summary['gpu']}")
-    for line in summary["parts"]:
-        print(f"  {line}")
+    print(f"{'stage':<10} {'seconds':>7} {'cap':>5}  outcome")
+    for s in summary["stages"]:
+        print(f"{s['stage']:<10} {s['seconds']:>7} {s['cap_s']:>5}  {s['outcome']}")
+    print(f"stages took {summary['stages_s']} s; preflight: {summary['preflight']}")
     tests = summary["tests"]
     if tests["ran"]:
         counts = f"{tests['tests']} run, {tests['failures']} failed, {tests['errors']} errors"
@@ -110,11 +160,26 @@ def main() -> int:
         shown = f"{value:.3f}" if isinstance(value, (int, float)) else "missing"
         met = {True: "yes", False: "NO", None: "-"}[row["met"]]
         print(f"{row['target']:<52} {shown:>10} {row['wanted']:>8}  {met}")
+    print(f"graphed or eager: {summary['graphs']}")
     print(f"blocking syncs per decode step: {summary['blocking_syncs_per_step']}")
     print(f"tokens match generate: {summary['tokens_match_hf_generate']}")
     print(f"families (identical of prompts): {summary['families']}")
+
+
+def main(argv: list[str]) -> int:
+    out = Path(argv[0])
+    stages = (_load(out / "summary.json") or {}).get("stages", [])
+    if len(argv) > 1 and argv[1] == "--stage":
+        row = stage_row(*argv[2:7])
+        stages = [s for s in stages if s["stage"] != row["stage"]] + [row]  # a rerun replaces its row
+        merge_junit(out, Path(os.environ.get("KVD_GPU_WORK", "/tmp/kvd-gpu-run")))
+        print(f"--- {row['stage']}: {row['outcome']} after {row['seconds']} s (cap {row['cap_s']} s)")
+    summary = summarize(out, stages)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    if len(argv) == 1:
+        print_table(summary)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -6,8 +6,9 @@ first divergence, where each side's token is among the other's top 5.
 
 Prompts longer than the windows, sharing a prefix, prefilled in chunks, on a
 pool small enough to preempt: the CPU matrix's workload. Each family's result
-(identical prompts of six) goes to ``$KVD_GPU_OUT/families.json`` when that
-is set (tests/gpu/run.sh sets it): the README's "exact on GPU" column.
+(identical prompts of six, or its error) goes to ``$KVD_GPU_OUT/families.json``
+after each family when that is set (tests/gpu/run.sh sets it): the README's
+"exact on GPU" column.
 """
 
 from __future__ import annotations
@@ -35,12 +36,15 @@ NUM_BLOCKS = 10  # holds any one sequence (at most 5 blocks), never all six at o
 
 
 @pytest.fixture(scope="module")
-def results():
-    found: dict[str, dict] = {}
-    yield found
+def results() -> dict[str, dict]:
+    return {}
+
+
+def save(results: dict[str, dict]) -> None:
+    """Rewrites families.json (after each family: a run cut short keeps the ones done)."""
     out = os.environ.get("KVD_GPU_OUT")
     if out:
-        Path(out, "families.json").write_text(json.dumps(found, indent=2, sort_keys=True))
+        Path(out, "families.json").write_text(json.dumps(results, indent=2, sort_keys=True))
 
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))
@@ -59,6 +63,7 @@ def test_family_on_cuda_matches_generate(model_type, workdir, results):
         )
     )  # fmt: skip
     app.start()
+    results[model_type] = {"identical": None, "prompts": None, "gpu": torch.cuda.get_device_name()}
     try:
         address = f"127.0.0.1:{app.port}"
         wait_serving(address, timeout_s=60)
@@ -70,8 +75,12 @@ def test_family_on_cuda_matches_generate(model_type, workdir, results):
             assert_close_to_reference(*output, *reference_generate(reference, ids, NEW_TOKENS))
             for ids, output in zip(token_lists, outputs, strict=True)
         )
-        results[model_type] = {"identical": identical, "prompts": len(token_lists), "gpu": torch.cuda.get_device_name()}
+        results[model_type].update(identical=identical, prompts=len(token_lists))
         assert app.engine.num_preempted > 0, "the pool was meant to force preemption"
+    except BaseException as err:
+        results[model_type]["error"] = f"{type(err).__name__}: {err}"[:2000]
+        raise
     finally:
+        save(results)
         app.stop()
         daemon.stop()

@@ -5,7 +5,7 @@ loop replays them, and its greedy tokens equal ``model.generate``'s.
 A real daemon runs in-process on a unix socket; the model is a tiny random
 float32 Llama through the Triton backend in Triton's interpreter, its graphs
 captured with :class:`inference.cuda_graphs.EagerStandIn` (the engine picks it
-where there is no CUDA). tests/gpu/test_cuda_graphs.py runs the same on a GPU.
+where there is no CUDA). tests/gpu/test_graphs_cuda.py runs the same on a GPU.
 """
 
 from __future__ import annotations

@@ -374,3 +374,28 @@ def test_each_step_waits_for_every_forward_but_the_one_in_flight_and_names_the_l
                 f"a Step went out before forwards {set(launched[:-1]) - waited} were done"
             )
     assert steps >= 6 and len(launched) >= 6, log
+
+
+@pytest.mark.parametrize("failing", ["attach", "runner"])
+def test_an_engine_that_cannot_use_the_daemons_memory_gives_up_at_once(daemon, failing):
+    """What a GPU without CUDA IPC does (an error mapping the cache, or making
+    the interprocess events): the engine says why and stops (kvd-engine then
+    exits), leaving no session behind, instead of waiting unhealthy forever."""
+    client = daemon.client()
+
+    def attach():
+        if failing == "attach":
+            raise RuntimeError("CUDA error: invalid device context")
+        return client.attach("doomed", LAYOUT)
+
+    def make_runner(cache, block_size):
+        raise RuntimeError("CUDA error: operation not supported")
+
+    engine = Engine(None, FakeTokenizer(), attach, EngineConfig(), set(), make_runner=make_runner)
+    engine.start()
+    assert wait_for(lambda: engine.fatal is not None, 10), "the engine kept trying"
+    step = "attaching to the KV-cache daemon" if failing == "attach" else "preparing the model on the daemon's memory"
+    assert engine.fatal.startswith(f"{step} failed: RuntimeError: CUDA error"), engine.fatal
+    assert not engine.healthy
+    assert wait_for(lambda: client.stats().num_sessions == 0, 10), "its session was left attached"
+    engine.stop()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from inference import cli as engine_cli
@@ -37,3 +39,33 @@ def test_cuda_graphs_are_read_from_the_environment_and_on_only_where_they_can_ru
     assert not _use_cuda_graphs("auto", "cpu", "torch") and not _use_cuda_graphs("auto", "cuda", "flash-attn")
     with pytest.raises(ValueError, match="--cuda-graphs on needs a CUDA device and the triton backend"):
         _use_cuda_graphs("on", "cpu", "torch")
+
+
+@pytest.mark.parametrize(
+    "preset, expected",
+    [
+        (None, "expandable_segments:False,backend:native"),
+        ("expandable_segments:True", "expandable_segments:False,backend:native"),
+        (
+            "max_split_size_mb:512,backend:cudaMallocAsync",
+            "max_split_size_mb:512,expandable_segments:False,backend:native",
+        ),
+        (
+            "roundup_power2_divisions:[256:1,512:2]",
+            "roundup_power2_divisions:[256:1,512:2],expandable_segments:False,backend:native",
+        ),
+    ],
+)
+def test_the_daemon_overrides_what_a_preset_allocator_setting_would_break_in_the_ipc_export(preset, expected):
+    assert daemon_cli.ipc_allocator_conf(preset) == expected
+
+
+def test_the_daemon_sets_the_allocator_variables_it_finds_and_the_cuda_one(monkeypatch):
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    daemon_cli._force_ipc_allocator()
+    assert "PYTORCH_ALLOC_CONF" not in os.environ
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:False,backend:native"
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "garbage_collection_threshold:0.8")
+    daemon_cli._force_ipc_allocator()
+    assert os.environ["PYTORCH_ALLOC_CONF"].startswith("garbage_collection_threshold:0.8,expandable")

@@ -6,7 +6,7 @@ callable again on the same static buffers); the model is a tiny random
 float32 Llama through the Triton backend in Triton's interpreter. A replay
 must equal an eager forward of the same padded inputs bitwise (logits and
 cache bytes), write no slot but the step's own, and give the torch backend's
-greedy tokens. On a GPU, tests/gpu/test_cuda_graphs.py confirms the same
+greedy tokens. On a GPU, tests/gpu/test_graphs_cuda.py confirms the same
 with real graphs.
 """
 
