@@ -32,7 +32,8 @@ IMAGE_VERSIONS = {
     "transformers": "5.17.0",
 }
 #: In the image's package list, at a version nobody read there.
-IMAGE_NAMES = {"typing-extensions", "packaging", "pyyaml", "regex", "typer", "tqdm", "click", "filelock", "psutil"}
+IMAGE_NAMES = {"typing-extensions", "packaging", "pyyaml", "regex", "typer", "tqdm", "click", "filelock", "psutil",
+               "grpcio", "protobuf", "xxhash"}  # fmt: skip
 #: The GPU machine's interpreter (markers are evaluated for it).
 TARGET = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
           "platform_system": "Linux", "platform_machine": "x86_64", "extra": ""}  # fmt: skip
@@ -51,7 +52,12 @@ def metadata(wheel: Path) -> tuple[str, Version, list[Requirement]]:
 def check(wheels: list[Path]) -> tuple[list[str], list[str]]:
     """(how each requirement is met, what is not met)."""
     carried = {name: (version, requirements) for name, version, requirements in map(metadata, wheels)}
-    met, unmet = [], []
+    met = [
+        f"{name} {version} replaces the image's {IMAGE_VERSIONS.get(name, '')}".rstrip()
+        for name, (version, _) in sorted(carried.items())
+        if name in IMAGE_VERSIONS or name in IMAGE_NAMES
+    ]
+    unmet = []
     for name, (_, requirements) in sorted(carried.items()):
         for requirement in requirements:
             needed = canonicalize_name(requirement.name)

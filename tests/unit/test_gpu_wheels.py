@@ -23,7 +23,14 @@ def test_requirements_met_by_carried_wheels_or_the_image_pass(tmp_path):
         wheel(tmp_path, "transformers", "5.24.0", "huggingface-hub<3.0,>=1.31.0", 'colorama; sys_platform == "win32"'),
     ]
     met, unmet = check_wheels.check(wheels)
-    assert unmet == [] and len(met) == 3
+    assert unmet == []
+    assert met == [
+        "grpcio 1.85.3 replaces the image's",
+        "transformers 5.24.0 replaces the image's 5.17.0",
+        "grpcio needs typing-extensions~=4.12: on the image (version not read there)",
+        "grpcio-reflection needs grpcio>=1.85.1: carried 1.85.3",
+        "transformers needs huggingface-hub<3.0,>=1.31.0: image 1.33.0",
+    ]
 
 
 def test_a_requirement_the_image_does_not_meet_is_named(tmp_path):
