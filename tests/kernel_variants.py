@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from inference import attention
+from inference import attention, model_store
 from inference.cuda_graphs import EagerStandIn, GraphPlan, capture_graphs
 from inference.engine import EngineConfig
 from inference.kernels.kv_store import store_kv
@@ -108,21 +108,21 @@ def engine_models() -> list[EngineModel]:
     ]
 
 
-def stand_in_runner(spec: EngineModel, dtype: torch.dtype, device: torch.device, num_sms: int) -> ModelRunner:
-    """A runner of ``spec``'s stand-in (random weights, the Triton backend)
+def stand_in_runner(model: EngineModel, dtype: torch.dtype, device: torch.device, num_sms: int) -> ModelRunner:
+    """A runner of ``model``'s stand-in (random weights, the Triton backend)
     on a random cache of a whole context's blocks."""
     from transformers import AutoModelForCausalLM
 
-    config = spec.config()
+    config = model.config()
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
+    stand_in = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
     attention.choose_backend("torch", device.type)  # registers every backend with transformers
-    model.set_attn_implementation(attention.BACKENDS["triton"])
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    blocks = -(-config.max_position_embeddings // BLOCK) + 8
-    shape = (blocks, config.num_hidden_layers, 2, BLOCK, kv_heads, head_dim)
-    runner = ModelRunner(model, torch.randn(shape, device=device).to(dtype), BLOCK)
+    stand_in.set_attn_implementation(attention.BACKENDS["triton"])
+    spec = model_store.model_spec(config)  # the engine's reading of the layout and context
+    layout = spec.layout
+    blocks = -(-spec.max_context // BLOCK) + 8
+    shape = (blocks, layout.num_layers, 2, BLOCK, layout.num_kv_heads, layout.head_dim)
+    runner = ModelRunner(stand_in, torch.randn(shape, device=device).to(dtype), BLOCK)
     runner.num_sms = num_sms  # on CPU tensors: the target GPU's, so the splits are the GPU's
     return runner
 
