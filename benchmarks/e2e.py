@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def report(complete: bool) -> dict[str, Any]:
         """The JSON of what has run so far (each variant's rounds to date)."""
-        measured = {k: v for k, v in results.items() if k == "warm_cold"}
+        measured = dict(results)  # the warm/cold figures, once measured
         reference = (runs.get("hf_generate") or [None])[0]
         for variant in chosen:
             if variant in failed:

@@ -160,7 +160,7 @@ class EngineVariant:
             "daemon": " ".join(self.daemon.command).replace(self.workdir, "<tmpdir>"),
             "engine": " ".join(self.engine.command).replace(self.workdir, "<tmpdir>").replace(sys.executable, "python"),
             "engine_startup_s": round(self.engine.startup_s, 2),
-            "cuda_graphs": graph_mode(self.engine.log_tail(LOG_TAIL_LINES)),
+            "cuda_graphs": graph_mode(self.engine.log_path.read_text(errors="replace")),
         }
 
     def run(self, w: Workload, new_tokens: int, round_index: int) -> Run:

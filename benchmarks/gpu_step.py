@@ -286,17 +286,17 @@ def run(quick: bool, save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     weight_bytes -= model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
     results["floor"]["weight_bytes"] = weight_bytes
 
-    def case(name: str, measure: Callable[[], dict[str, Any]], into: dict[str, Any]) -> None:
+    def case(into: dict[str, Any], name: str, measure: Callable[[], dict[str, Any]]) -> None:
         harness.log(name)
         try:
-            into[name.split(" ")[-1]] = measure()
+            into[name] = measure()
         except Exception:
             results["errors"][name] = traceback.format_exc()
             harness.log(results["errors"][name])
         torch.cuda.empty_cache()
         save(results)
 
-    case("capture", lambda: time_capture(model), results)
+    case(results, "capture", lambda: time_capture(model))
     decode = results["decode"] = {}
     for batch in (1, 16) if quick else BATCHES:
         for ctx_name, context in CONTEXTS.items():
@@ -308,11 +308,11 @@ def run(quick: bool, save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
                     floor = results["floor"][name] = (weight_bytes + kv_bytes) / bandwidth
                     return {**time_decode(model, chunks, cache, steps=10 if quick else 30), "floor_s": floor}
 
-                case(f"decode {name}", measure, decode)
+                case(decode, name, measure)
     attention_results = results["attention"] = {}
     for name, args in (("decode_ctx2000_b16", (16, 1, 2000)), ("decode_ctx2000_b64", (64, 1, 2000)),
                        ("prefill_512_over_2000", (1, 512, 2512))):  # fmt: skip
-        case(f"attention {name}", lambda args=args: time_attention(*args), attention_results)
+        case(attention_results, name, lambda args=args: time_attention(*args))
     return results
 
 

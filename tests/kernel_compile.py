@@ -143,15 +143,22 @@ def _recording_driver(arch: int):
     return RecordingDriver()
 
 
+@dataclass
+class Recording:
+    """What :func:`recording` saw: each variant (keyed by kernel and Triton's
+    cache key) with the case that launched it first (``case`` when it did)."""
+
+    case: str = ""
+    found: dict[tuple[str, str], tuple[Variant, str]] = field(default_factory=dict)
+
+
 @contextlib.contextmanager
-def recording(arch: int = 90) -> Iterator[dict[tuple[str, str], tuple[Variant, str]]]:
-    """Within it, a kernel launch records its variant (and the case that
-    first launched it, from :data:`current_case`) instead of compiling and
-    launching; yields ``{(kernel, key): (variant, case)}``."""
+def recording(arch: int = 90) -> Iterator[Recording]:
+    """Within it, a kernel launch records its variant instead of compiling and launching."""
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
 
-    found: dict[tuple[str, str], tuple[Variant, str]] = {}
+    recorded, launched = Recording(), set()
     original = JITFunction._do_compile
 
     def record(self, key, signature, device, constexprs, options, attrs, warmup):
@@ -159,29 +166,20 @@ def recording(arch: int = 90) -> Iterator[dict[tuple[str, str], tuple[Variant, s
             self.fn.__module__, self.fn.__name__, dict(signature), dict(constexprs), dict(attrs),
             {name: getattr(options, name) for name in _LAUNCH_OPTIONS},
         )  # fmt: skip
-        found.setdefault((self.fn.__name__, str(key)), (variant, current_case[0]))
+        recorded.found.setdefault((self.fn.__name__, str(key)), (variant, recorded.case))
+        launched.add(self)
         return None  # the launch returns without running anything
 
     previous = driver._active  # None until something asked for it: there may be no driver to make here
     JITFunction._do_compile = record
     driver.set_active(_recording_driver(arch))
     try:
-        yield found
+        yield recorded
     finally:
         JITFunction._do_compile = original
         driver._active = previous
-        for kernel in _kernels():
-            kernel.device_caches.clear()  # the binders were made for the recording target
-
-
-#: The label of the case now running (what :func:`recording` attributes a variant to).
-current_case = [""]
-
-
-def _kernels():
-    from inference.kernels import kv_store, paged_attention
-
-    return [kv_store._store_kv_kernel, paged_attention._paged_attention_kernel, paged_attention._merge_splits_kernel]
+        for kernel in launched:
+            kernel.device_caches.clear()  # their binders were made for the recording target
 
 
 def record_variants(cases, num_sms: int, arch: int = 90) -> tuple[list[tuple[Variant, str]], list[str]]:
@@ -191,14 +189,14 @@ def record_variants(cases, num_sms: int, arch: int = 90) -> tuple[list[tuple[Var
     import torch
 
     failures = []
-    with recording(arch) as found:
+    with recording(arch) as recorded:
         for case in cases:
-            current_case[0] = case.label
+            recorded.case = case.label
             try:
                 case.run(torch.device("cpu"), num_sms)
             except Exception:
                 failures.append(f"{case.label}:\n{traceback.format_exc()}")
-    return list(found.values()), failures
+    return list(recorded.found.values()), failures
 
 
 def input_dtype_problems(variant: Variant) -> list[str]:

@@ -146,14 +146,20 @@ def engine_steps(max_context: int, num_blocks: int) -> list[list[Chunk]]:
     return [mixed, decodes, [Chunk([8], 10, table(5, 11), 10, True, "short")]]
 
 
+def capture_as_the_engine(runner: ModelRunner, token_budget: int) -> None:
+    """Runs the graph capture of the engine's default plan once (each bucket's
+    warm-up forward: its launches), the graphs left unused: the runner's steps
+    stay eager."""
+    plan = GraphPlan.for_engine(EngineConfig.max_num_seqs, token_budget, runner.model.config.max_position_embeddings)
+    if capture_graphs(runner, plan, EagerStandIn()) is None:
+        raise RuntimeError("the capture failed (its error is logged above)")
+
+
 def _engine_case(spec: EngineModel, dtype: str) -> Case:
     def run(device: torch.device, num_sms: int) -> None:
         runner = stand_in_runner(spec, DTYPES[dtype], device, num_sms)
-        max_context = runner.model.config.max_position_embeddings
-        plan = GraphPlan.for_engine(EngineConfig.max_num_seqs, spec.token_budget, max_context)
-        if capture_graphs(runner, plan, EagerStandIn()) is None:
-            raise RuntimeError("the capture failed (its error is logged above)")
-        for chunks in engine_steps(max_context, runner.kv_cache.shape[0]):
+        capture_as_the_engine(runner, spec.token_budget)
+        for chunks in engine_steps(runner.model.config.max_position_embeddings, runner.kv_cache.shape[0]):
             runner.forward(chunks)
 
     return Case(f"engine {spec.name} {dtype}: capture + eager steps", run)
@@ -168,10 +174,7 @@ def random_steps_case(steps: int, seed: int = 0) -> Case:
     def run(device: torch.device, num_sms: int) -> None:
         spec = engine_models()[0]
         runner = stand_in_runner(spec, torch.bfloat16, device, num_sms)
-        plan = GraphPlan.for_engine(EngineConfig.max_num_seqs, spec.token_budget, 4096)
-        if capture_graphs(runner, plan, EagerStandIn()) is None:
-            raise RuntimeError("the capture failed (its error is logged above)")
-        runner.graphs = None  # every step eager
+        capture_as_the_engine(runner, spec.token_budget)
         rng = random.Random(seed)
         for step in range(steps):
             chunks = []
