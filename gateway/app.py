@@ -41,6 +41,8 @@ class GatewaySettings:
         routing: how requests pick a replica (``gateway.router``).
         health_interval_s: how often each replica's health is checked.
         dns_interval_s: how often ``dns:`` entries are resolved again.
+        replica_wait_s: how long a request waits for a replica when none
+            serves but one did lately (``ReplicaPool.await_serving``).
         http_listen: the OpenAI-compatible HTTP API's ``HOST:PORT``; "": none.
         max_open_requests: generations (gRPC Generate and Complete, HTTP
             completions) held at once; more are refused (RESOURCE_EXHAUSTED, 429).
@@ -58,6 +60,7 @@ class GatewaySettings:
     routing: RouterConfig = field(default_factory=RouterConfig)
     health_interval_s: float = 0.5
     dns_interval_s: float = 5.0
+    replica_wait_s: float = 30.0
     limits: TenantLimits = field(default_factory=TenantLimits)
     http_listen: str = ""
     max_open_requests: int = 512
@@ -72,6 +75,8 @@ class GatewaySettings:
         for name in ("keeper_interval_s", "health_interval_s", "dns_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.replica_wait_s < 0:
+            raise ValueError(f"replica_wait_s must be >= 0, got {self.replica_wait_s}")
         if self.max_open_requests < 1:
             raise ValueError(f"max_open_requests must be >= 1, got {self.max_open_requests}")
 
@@ -96,6 +101,7 @@ class GatewayApp:
             Router(settings.routing),
             health_interval_s=settings.health_interval_s,
             resolve_interval_s=settings.dns_interval_s,
+            replica_wait_s=settings.replica_wait_s,
             on_health=self._engine_health,
         )
         self.auth = Authenticator(self._key_store())

@@ -130,6 +130,16 @@ COMMAND = SettingsCommand(
             help="how often each replica's gRPC health is checked",
         ),
         Setting(
+            "--replica-wait-s",
+            env="KVD_REPLICA_WAIT_S",
+            type=click.FLOAT,
+            default=30.0,
+            section=_ROUTING,
+            help="how long a request waits for a replica to serve when none does (or every one refused it before"
+            " its first token) but one served in the last SECONDS: a drain or a restart under way; never past the"
+            " request's deadline; 0: no wait",
+        ),
+        Setting(
             "--dns-interval-s",
             env="KVD_DNS_INTERVAL_S",
             type=click.FLOAT,
@@ -217,6 +227,7 @@ def config_from(args: SimpleNamespace):
         ),
         health_interval_s=args.health_interval_s,
         dns_interval_s=args.dns_interval_s,
+        replica_wait_s=args.replica_wait_s,
         limits=TenantLimits(args.max_concurrent_requests, args.max_templates, args.max_pinned_blocks),
         http_listen=args.http_listen,
         max_open_requests=args.max_open_requests,

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import grpc
 
@@ -97,25 +98,37 @@ class TemplateKeeper:
     def warm(self, template: Template, timeout_s: float | None = None) -> int:
         """Places a template on the first serving replica that accepts it; returns the tokens pinned.
 
+        During a drain or a restart (no replica serves, or every one refused
+        with UNAVAILABLE, but one served lately) waits for one to come back,
+        as a request does (``ReplicaPool.await_serving``), within ``timeout_s``.
+
         Raises:
             grpc.RpcError: every replica refused (RESOURCE_EXHAUSTED past the
                 pin caps) or failed; another error at once.
             NoReplica: no replica serves.
         """
         member = warm_member(template.tenant, template.name)
-        order = self.router.template_order(member)
-        if not order:
-            raise NoReplica("no engine replica is serving")
+        give_up_at = time.monotonic() + (self.pool.replica_wait_s if timeout_s is None else timeout_s)
+        tried: dict[str, int] = {}
         error: grpc.RpcError | None = None
-        for address in order:
-            try:
-                return self._warm_on(address, template, timeout_s)
-            except grpc.RpcError as err:
-                if err.code() not in _TRY_NEXT:
-                    raise
-                error = err
-        assert error is not None
-        raise error
+        while True:
+            refused = self.router.refusers(tried)
+            for address in [a for a in self.router.template_order(member) if a not in refused]:
+                tried[address] = self.router.comebacks(address)
+                try:
+                    left = None if timeout_s is None else give_up_at - time.monotonic()
+                    return self._warm_on(address, template, left)
+                except grpc.RpcError as err:
+                    if err.code() not in _TRY_NEXT:
+                        raise
+                    if err.code() == grpc.StatusCode.UNAVAILABLE:
+                        self.pool.mark_down(address)
+                    error = err
+            full = error is not None and error.code() != grpc.StatusCode.UNAVAILABLE
+            if full or not self.pool.await_serving(tried, give_up_at - time.monotonic()):
+                if error is not None:
+                    raise error
+                raise NoReplica("no engine replica is serving")
 
     def release(self, tenant: str, name: str) -> bool:
         """Unpins a template that is gone in every serving cache; False when

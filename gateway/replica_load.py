@@ -35,6 +35,11 @@ class ReplicaState:
     address: str
     slot: int  # its bit in the block index
     serving: bool = False
+    #: times it started serving (a restarted engine on the same address counts
+    #: anew: a request it refused before may try it again)
+    comebacks: int = 0
+    #: when it last stopped serving (-inf: it never served)
+    stopped_at: float = -math.inf
     #: the daemon cache it is attached to ("": not known yet): replicas of one
     #: cache (engines sharing a daemon) hold the same blocks and pins
     cache_id: str = ""

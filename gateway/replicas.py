@@ -5,7 +5,10 @@ errors reach clients through ``engine_error``.
 
 A monitor thread, every ``health_interval_s``: resolves the endpoints again
 (every ``resolve_interval_s``; ``dns:`` names follow their pods), checks each
-replica's gRPC health, and tells the router. Two relay threads per replica:
+replica's gRPC health, and tells the router. While a request waits for a
+replica (``await_serving``: none serves during a drain or a restart) it checks
+every ``HURRIED_INTERVAL_S``, so the request goes on as soon as one is back.
+Two relay threads per replica:
 
 - one follows its ``BlockEvents`` stream into the router: a snapshot of what
   its daemon caches, then the live batches; a batch out of sequence, or of
@@ -22,7 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -127,6 +130,8 @@ def engine_error(err: grpc.RpcError, who: str = "an engine replica") -> tuple[gr
 
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
+#: The health rounds' interval while a request waits for a replica.
+HURRIED_INTERVAL_S = 0.1
 
 
 class ReplicaPool:
@@ -135,6 +140,7 @@ class ReplicaPool:
     router: told of replicas, health and events.
     health_interval_s: how often each replica's health is checked.
     resolve_interval_s: how often ``dns:`` names are resolved again.
+    replica_wait_s: how long a request may wait for a replica (``await_serving``).
     on_health: told, each round, whether any replica serves.
     resolve: the endpoint expansion (tests give their own resolver).
     """
@@ -145,6 +151,7 @@ class ReplicaPool:
         router: Router,
         health_interval_s: float = 0.5,
         resolve_interval_s: float = 5.0,
+        replica_wait_s: float = 30.0,
         on_health: Callable[[bool], None] = lambda up: None,
         resolve: Callable[[Sequence[str]], list[str]] = expand,
     ) -> None:
@@ -152,11 +159,14 @@ class ReplicaPool:
         self.router = router
         self.health_interval_s = health_interval_s
         self.resolve_interval_s = resolve_interval_s
+        self.replica_wait_s = replica_wait_s
         self.on_health = on_health
         self._resolve = resolve
         self._links: dict[str, EngineLink] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._round_due = threading.Condition()  # the monitor's wait: woken by a request that waits, or stop
+        self._waiting = 0  # requests in await_serving
         self._monitor = threading.Thread(target=self._run, name="replica-monitor", daemon=True)
         self._resolved_at = -float("inf")
 
@@ -171,12 +181,15 @@ class ReplicaPool:
             return dict(self._links)
 
     def any_serving(self) -> EngineLink:
-        """A serving replica's link (for calls any replica answers alike: Tokenize, Info).
+        """A serving replica's link (for calls any replica answers alike: Tokenize, Info);
+        during a drain or a restart, the first to serve again (``await_serving``).
 
         Raises:
             NoReplica: none serves.
         """
         serving = self.router.serving()
+        if not serving and self.await_serving({}, self.replica_wait_s):
+            serving = self.router.serving()
         if not serving:
             raise NoReplica(f"no engine replica is serving (replicas: {', '.join(self.router.addresses()) or 'none'})")
         return self.link(serving[0])
@@ -184,6 +197,25 @@ class ReplicaPool:
     def mark_down(self, address: str) -> None:
         """A call found ``address`` unavailable: route around it until its health says otherwise."""
         self.router.set_serving(address, False)
+
+    def await_serving(self, tried: Mapping[str, int], timeout_s: float) -> bool:
+        """Waits, at most ``timeout_s`` and ``replica_wait_s``, for a replica
+        to serve that has not refused the request (``tried``: see
+        ``Router.refusers``). Waits only when a replica served within
+        ``replica_wait_s`` (a drain or a restart under way): a fleet that is
+        down, or was never up, answers at once. False: none came."""
+        timeout_s = min(timeout_s, self.replica_wait_s)
+        if timeout_s <= 0 or not self.router.served_within(self.replica_wait_s):
+            return False
+        log.info("request waits for a replica to serve", extra={"refused_by": sorted(tried), "wait_s": timeout_s})
+        with self._round_due:
+            self._waiting += 1
+            self._round_due.notify()  # a health round now, then hurried ones
+        try:
+            return self.router.wait_serving(tried, timeout_s)
+        finally:
+            with self._round_due:
+                self._waiting -= 1
 
     # -------------------------------------------------------------- rounds
 
@@ -193,6 +225,8 @@ class ReplicaPool:
 
     def stop(self) -> None:
         self._stop.set()
+        with self._round_due:
+            self._round_due.notify()
         self._monitor.join(timeout=5)
         with self._lock:
             links, self._links = self._links, {}
@@ -226,7 +260,11 @@ class ReplicaPool:
             threading.Thread(target=self._load_relay, args=(address,), name=f"load-{address}", daemon=True).start()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.health_interval_s):
+        while True:
+            with self._round_due:
+                self._round_due.wait(HURRIED_INTERVAL_S if self._waiting else self.health_interval_s)
+            if self._stop.is_set():
+                return
             try:
                 self.refresh()
             except Exception:  # a bug in one round must not stop the monitor

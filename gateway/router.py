@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 from gateway.block_index import DEVICE, HOST, BlockIndex
 from gateway.placement import TemplatePlacement, rendezvous
@@ -74,6 +74,7 @@ class Router:
         self._candidates: list[ReplicaState] | None = None  # the serving ones by address, until that changes
         self._among: int | None = None  # their slots' bits
         self._lock = threading.Lock()
+        self._serving_changed = threading.Condition(self._lock)
 
     # ----------------------------------------------------------- replicas
 
@@ -96,7 +97,49 @@ class Router:
         with self._lock:
             if (replica := self._replicas.get(address)) is not None and replica.serving != serving:
                 replica.serving = serving
+                if serving:
+                    replica.comebacks += 1
+                else:
+                    replica.stopped_at = self._clock()
                 self._candidates = self._among = None
+                self._serving_changed.notify_all()
+
+    def comebacks(self, address: str) -> int:
+        """Times ``address`` started serving (see ``refusers``)."""
+        with self._lock:
+            replica = self._replicas.get(address)
+            return replica.comebacks if replica is not None else 0
+
+    def refusers(self, tried: Mapping[str, int]) -> set[str]:
+        """Of the replicas a request tried (address -> its ``comebacks`` then),
+        those that have not started serving anew since: a replica that refused
+        it stays refused, a replaced one on the same address does not."""
+        with self._lock:
+            return self._refusers(tried)
+
+    def _refusers(self, tried: Mapping[str, int]) -> set[str]:
+        return {a for a, seen in tried.items() if (r := self._replicas.get(a)) is None or r.comebacks == seen}
+
+    def served_within(self, seconds: float) -> bool:
+        """Whether a replica serves, or one stopped serving less than ``seconds``
+        ago (a drain or a restart under way: a replica is expected back)."""
+        since = self._clock() - seconds
+        with self._lock:
+            return any(r.serving or r.stopped_at >= since for r in self._replicas.values())
+
+    def wait_serving(self, tried: Mapping[str, int], timeout_s: float) -> bool:
+        """Waits until a replica serves that is not one of ``tried``'s refusers;
+        False when ``timeout_s`` passed first."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while True:
+                refused = self._refusers(tried)
+                if any(r.serving and a not in refused for a, r in self._replicas.items()):
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._serving_changed.wait(left)
 
     def serving(self) -> list[str]:
         with self._lock:

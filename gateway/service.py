@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -161,26 +162,47 @@ class GatewayService(pb_grpc.GatewayServicer):
         """Streams the request from the replica the router picks. A replica
         that refuses the request before its first token (UNAVAILABLE:
         draining, gone; RESOURCE_EXHAUSTED: full) hands it to the next one the
-        router picks, until none is left."""
+        router picks, until none is left (``_next_route``: during a drain or a
+        restart, a request waits for a replica to come back)."""
         # NoReplica and LimitExceeded reach the client through the status table.
-        route = self.router.route(key)
+        tried: dict[str, int] = {}  # replicas that refused it -> their comebacks then
+        route = self._next_route(key, tried, context)
         self.slots.take(tenant)
         released = _Once(lambda: self.slots.give_back(tenant))
         context.add_callback(released)  # a cancelled stream may never resume this generator
-        tried: set[str] = set()
         try:
             while True:
+                comebacks = self.router.comebacks(route.address)
                 refused = yield from self._relay_once(route, engine_request, template_tokens, context)
                 if refused is None:
                     return
-                tried.add(route.address)
+                tried[route.address] = comebacks
                 try:
-                    route = self.router.route(key, exclude=tried)
+                    # A full replica (RESOURCE_EXHAUSTED) is no reason to wait: the client backs off.
+                    route = self._next_route(key, tried, context, wait=refused[0] == grpc.StatusCode.UNAVAILABLE)
                 except NoReplica:
                     context.abort(*refused)
                 log.info("request handed to another replica", extra={"refused_by": sorted(tried)})
         finally:
             released()
+
+    def _next_route(self, key: RouteKey, tried: dict[str, int], context, wait: bool = True):
+        """The replica for the request's next try: a serving one that has not
+        refused it. When there is none but one served lately (a drain or a
+        restart under way), waits for one, within ``--replica-wait-s`` and the
+        caller's deadline (``ReplicaPool.await_serving``).
+
+        Raises:
+            NoReplica: none came.
+        """
+        left = remaining_s(context)
+        give_up_at = time.monotonic() + (self.pool.replica_wait_s if left is None else left)
+        while True:
+            try:
+                return self.router.route(key, exclude=self.router.refusers(tried))
+            except NoReplica:
+                if not wait or not self.pool.await_serving(tried, give_up_at - time.monotonic()):
+                    raise
 
     def _relay_once(self, route, engine_request: epb.GenerateRequest, template_tokens: int, context):
         """One replica's try (a generator). Returns None when the call is over,

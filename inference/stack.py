@@ -10,13 +10,16 @@ passes on: its own settings, in ``COMMAND``).
 SIGHUP replaces the engines one at a time (an upgrade, a new model file of
 the same model): each is drained (SIGTERM: it stops taking requests, hands
 back those that streamed nothing yet, finishes the others, detaches) and
-started again on its address, and the next waits until it serves. With two
-engines or more no request is lost and nothing is recomputed: the daemon's
-cache, and every prefix in it, outlives each engine.
+started again on its address, and the next waits until it serves. No
+request is lost (the gateway retries a refused one on another replica, or
+holds it until one serves again: docs/deploy.md) and nothing is recomputed:
+the daemon's cache, and every prefix in it, outlives each engine. The
+children get SIGTERM if kvd-serve dies, even killed outright.
 """
 
 from __future__ import annotations
 
+import ctypes
 import signal
 import subprocess
 import sys
@@ -55,6 +58,8 @@ COMMAND = SettingsCommand(
     ],
 )
 
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
 #: How long a replaced engine may take to come back and serve (model load included).
 ENGINE_START_S = 300.0
 
@@ -83,8 +88,11 @@ class Stack:
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self) -> None:
-        for name, cmd in self.commands.items():
-            self.procs[name] = subprocess.Popen(cmd)
+        for name in self.commands:
+            self._start(name)
+
+    def _start(self, name: str) -> None:
+        self.procs[name] = subprocess.Popen(self.commands[name], preexec_fn=_stop_with_parent)
 
     def dead(self) -> tuple[str, int] | None:
         """A child that exited, and its code (None: all run)."""
@@ -101,7 +109,7 @@ class Stack:
             old = self.procs[name]
             old.send_signal(signal.SIGTERM)
             old.wait()
-            self.procs[name] = subprocess.Popen(self.commands[name])
+            self._start(name)
             if not wait_serving(address, self.procs[name], ENGINE_START_S):
                 print(f"kvd-serve: {name} did not come back; the rolling replacement stops", file=sys.stderr)
                 return
@@ -117,6 +125,13 @@ class Stack:
                 proc.wait(timeout=45)  # an engine drains: its running requests finish first
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def _stop_with_parent() -> None:
+    """Run in each child before its exec: it gets SIGTERM when kvd-serve dies,
+    however it dies (killed outright, it cannot stop them; Linux's prctl)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def wait_serving(address: str, proc: subprocess.Popen, timeout_s: float) -> bool:

@@ -10,6 +10,7 @@ around them.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -67,7 +68,9 @@ def wait_serving(address: str, timeout_s: float = 20.0, process: subprocess.Pope
 
 
 def stop_process(process: subprocess.Popen, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> int:
-    """Signals a child and waits for it; kills it if it does not stop in time."""
+    """Signals a child and waits for it; kills it if it does not stop in time,
+    then kills what it left running in its process group (``spawn`` gives
+    each child its own: a supervisor killed outright leaves its children)."""
     if process.poll() is None:
         process.send_signal(sig)
         try:
@@ -75,18 +78,30 @@ def stop_process(process: subprocess.Popen, sig: int = signal.SIGTERM, timeout_s
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+    kill_group(process.pid)
     return process.returncode
 
 
-def spawn(command: Sequence[str], log_path: str | os.PathLike, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Starts ``command`` with its output appended to ``log_path``.
+def kill_group(leader: int) -> None:
+    """SIGKILLs the process group ``leader`` led (nothing when there is none left)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(leader, signal.SIGKILL)
 
-    NOTE: started in this checkout's root: ``python -m`` puts the working
-    folder first on sys.path, so a run from another checkout (a baseline
-    beside the change) would otherwise measure that one's code.
+
+def spawn(
+    command: Sequence[str], log_path: str | os.PathLike, env: dict[str, str] | None = None, cwd: str | None = None
+) -> subprocess.Popen:
+    """Starts ``command`` with its output appended to ``log_path``, as the
+    leader of a process group of its own (``stop_process`` ends the group).
+
+    NOTE: started in this checkout's root (unless ``cwd``): ``python -m``
+    puts the working folder first on sys.path, so a run from another checkout
+    (a baseline beside the change) would otherwise measure that one's code.
     """
     with open(log_path, "ab") as log:
-        return subprocess.Popen(list(command), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
+        return subprocess.Popen(
+            list(command), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd or REPO_ROOT, start_new_session=True
+        )
 
 
 def daemon_command(socket_path: str, shm_dir: str, args: Sequence[str] = ()) -> list[str]:

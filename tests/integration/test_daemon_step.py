@@ -7,7 +7,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 import urllib.request
 
 import grpc
@@ -15,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvd_api.daemon.v1 import daemon_pb2 as pb
+from tests.conftest import wait_for
 
 
 def admit(session, request_id, tokens, budget=1000, salt=b"", max_new_tokens=1):
@@ -162,9 +162,7 @@ def test_a_killed_engines_blocks_are_released(daemon):
         assert client.stats().num_used_blocks == 10
         process.send_signal(signal.SIGKILL)
         process.wait()
-        deadline = time.monotonic() + 10
-        while client.stats().num_used_blocks and time.monotonic() < deadline:
-            time.sleep(0.1)
+        assert wait_for(lambda: client.stats().num_used_blocks == 0, 60)
         stats = client.stats()
         assert (stats.num_used_blocks, stats.num_sessions, stats.num_requests) == (0, 0, 0)
         assert "lease expired" in daemon.log()
@@ -176,7 +174,7 @@ def test_a_lapsed_session_is_gone(daemon):
     client = daemon.client()
     session = client.attach("quiet")
     session._stop.set()  # stop heart-beating, as a hung engine would
-    time.sleep(2.5)
+    assert wait_for(lambda: client.stats().num_sessions == 0, 60), "the lease never lapsed"
     try:
         session.step(pb.StepRequest())
         raise AssertionError("a lapsed session still answered")
@@ -188,12 +186,13 @@ def test_events_report_stored_removed_and_cleared_blocks(daemon):
     client = daemon.client()
     stream = client.events()
     received: list = []
-    done = threading.Event()
+    subscribed, done = threading.Event(), threading.Event()
 
     def read():
         for batch in stream:
             if batch.snapshot:  # what was cached before: nothing yet
                 assert [e.WhichOneof("kind") for e in batch.events] == ["all_cleared"], batch
+                subscribed.set()
                 continue
             received.extend(batch.events)
             if any(e.HasField("all_cleared") for e in batch.events):
@@ -202,7 +201,7 @@ def test_events_report_stored_removed_and_cleared_blocks(daemon):
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    time.sleep(0.3)  # let the subscription register
+    assert subscribed.wait(60)  # the snapshot came: every later change is streamed
     session = client.attach("engine")
     run_to_completion(session, "a", list(range(800, 808)))
     admit(session, "fill", list(range(900, 1028)))  # all 32 blocks: evicts both of "a"

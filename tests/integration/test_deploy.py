@@ -26,6 +26,7 @@ import pytest
 import redis
 import yaml
 
+from benchmarks.harness.processes import spawn
 from gateway.client import GatewayClient
 from kvd.settings_docs import readers
 from tests.conftest import ChildProcess, free_port, wait_for, wait_serving
@@ -225,8 +226,7 @@ def test_compose_stack_serves_a_template(stack_root, model_dir):
                 address = health[1]
             command[0] = shutil.which(command[0], path=env["PATH"]) or command[0]
             log_path = root / f"{name}.log"
-            with open(log_path, "a") as log:
-                process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+            process = spawn(command, log_path, env, cwd)
             child = ChildProcess(process=process, log_path=log_path, address=address)
             started.append((name, child))
             wait_healthy(name, child, health, env)

@@ -8,6 +8,7 @@ and fairness between two engines' sessions.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import shutil
 import signal
 import tempfile
@@ -15,6 +16,7 @@ import threading
 import time
 
 import grpc
+import httpx2 as httpx
 import pytest
 from grpc_health.v1 import health_pb2
 
@@ -23,6 +25,7 @@ from kvd.client import DaemonClient
 from kvd_api.engine.v1 import engine_pb2 as epb
 from tests.conftest import (
     blocks_held,
+    free_port,
     gateway_on_local_redis,
     health_status,
     start_daemon,
@@ -199,6 +202,73 @@ def test_a_drain_hands_back_what_has_not_started_and_the_gateway_retries_it_else
         a.stop()
         b.stop()
         daemon.stop()
+
+
+def test_requests_that_find_no_replica_serving_wait_for_the_replaced_one_on_every_call_type(
+    model_dir, workdir, tokenizer, reference_model
+):
+    """The gateway's rule during a replacement (docs/deploy.md): engine B
+    drains (a long request keeps it alive, refusing new ones) and engine A is
+    replaced, while the gateway still takes both for serving (its health
+    rounds are an hour apart). Requests of every kind (gRPC Complete and
+    Generate with no deadline, HTTP chat streaming, CreateTemplate's warm) are
+    refused by both, wait, and go to the new A on A's address as soon as it
+    serves: none fails, each answer is the reference's."""
+    daemon = start_daemon(["--block-size", str(BLOCK), "--num-blocks", "256"], workdir)
+    args = ["--model", str(model_dir), *ENGINE_ARGS]
+    a, b = start_engine(daemon, args, workdir), start_engine(daemon, args, workdir)
+    http = f"127.0.0.1:{free_port()}"
+    rounds = ["--health-interval-s", "3600", "--replica-wait-s", "600", "--routing", "round-robin"]
+    prompt = tokenizer.encode(" The harbour master said", add_special_tokens=False)
+    try:
+        with gateway_on_local_redis(f"{a.address},{b.address}", workdir, 2, [*rounds, "--http-listen", http]) as gw:
+            with GatewayClient(gw.address) as client:  # what the gateway fetches once: the tokenizer, model info
+                client.create_template("first", "Log of the lock keepers.")
+                client.delete_template("first")
+                model = client.info().model
+            assert _http_chat_stream(http, model)[0] == 200
+            held = engine_client.stub(b.address).Generate(engine_client.request([5, 6, 7, 8], 2000))
+            next(held)  # B runs it to its end while it drains
+            b.process.send_signal(signal.SIGTERM)
+            assert wait_for(lambda: health_status(b.address) == health_pb2.HealthCheckResponse.NOT_SERVING, 60)
+            assert a.stop(signal.SIGTERM, timeout_s=60) == 0, a.log()
+            with GatewayClient(gw.address, timeout_s=None) as client, cf.ThreadPoolExecutor(4) as pool:
+                calls = {
+                    "complete": pool.submit(lambda: list(client.complete(prompt, max_new_tokens=6).token_ids)),
+                    "generate": pool.submit(
+                        lambda: [t for m in client.generate(prompt, max_new_tokens=6) for t in m.token_ids]
+                    ),
+                    "http": pool.submit(_http_chat_stream, http, model),
+                    "template": pool.submit(lambda: client.create_template("swap", "Log of the lock keepers.")),
+                }
+                waits = lambda: gw.log().count("request waits for a replica to serve")  # noqa: E731
+                assert wait_for(lambda: waits() >= len(calls), 120), gw.log()
+                assert not any(call.done() for call in calls.values())
+                port = int(a.address.rsplit(":", 1)[1])
+                a = start_engine(daemon, args, workdir, port=port)
+                expected = engine_client.reference_greedy(reference_model, prompt, 6)
+                assert calls["complete"].result(timeout=120) == expected
+                assert calls["generate"].result(timeout=120) == expected
+                assert calls["http"].result(timeout=120) in [(200, "stop"), (200, "length")]
+                assert calls["template"].result(timeout=120).name == "swap"
+                client.delete_template("swap")
+            held.cancel()
+            assert b.process.wait(timeout=60) == 0
+    finally:
+        a.stop()
+        b.stop(signal.SIGKILL)
+        daemon.stop()
+
+
+def _http_chat_stream(http: str, model: str) -> tuple[int, str]:
+    """A streamed chat completion over HTTP with no timeout: its status and finish reason."""
+    body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "stream": True}
+    finish = ""
+    with httpx.stream("POST", f"http://{http}/v1/chat/completions", json=body, timeout=None) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("data: {"):
+                finish = json.loads(line[6:])["choices"][0].get("finish_reason") or finish
+        return reply.status_code, finish
 
 
 def test_a_full_engine_refuses_at_once_and_the_gateway_sends_the_request_to_another(model_dir, workdir, tokenizer):

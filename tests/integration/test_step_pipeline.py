@@ -250,11 +250,11 @@ def test_one_session_cannot_starve_another(workdir):
     rng = random.Random(9)
     try:
         flood = [submit(hog, p, 30) for p in prompts(rng, 40, [])]
-        assert wait_for(lambda: sum(1 for s in flood if s.output_ids) >= 3, 10)
+        assert wait_for(lambda: sum(1 for s in flood if s.output_ids) >= 3, 120)
         prompt = [rng.randrange(VOCAB) for _ in range(8)]
         start = time.monotonic()
         small = submit(meek, prompt, 8)
-        assert collect(small, timeout_s=30) == (reference(prompt, 8), "finished:length")
+        assert collect(small, timeout_s=300) == (reference(prompt, 8), "finished:length")
         waited = time.monotonic() - start
         unfinished = sum(1 for s in flood if not s.is_finished)
         assert unfinished > 10, f"the flood ended first ({unfinished} left after {waited:.1f}s): nothing was tested"

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -104,10 +103,8 @@ def test_greedy_generation_knows_paris(model, tokenizer):
 
 def test_resolving_again_reuses_the_conversion(model_dir):
     before = [p.stat().st_mtime_ns for p in _safetensors(model_dir)]
-    start = time.monotonic()
     again = resolve_model("smollm2", default_cache_dir())
-    assert time.monotonic() - start < 5
-    assert again == model_dir
+    assert again == model_dir  # and nothing was written again:
     assert [p.stat().st_mtime_ns for p in _safetensors(model_dir)] == before
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from gateway.block_index import BlockIndex, index_keys
@@ -337,6 +339,53 @@ def test_a_request_refused_by_a_replica_goes_to_another_and_none_left_is_unavail
     with pytest.raises(NoReplica):
         r.route(key, exclude={A, B})
     assert r.route(key).address == A  # an exclusion is one request's, not the router's
+
+
+def test_a_replica_that_refused_a_request_may_take_it_again_once_it_serves_anew():
+    r = router(A, B)
+    tried = {A: r.comebacks(A), B: r.comebacks(B)}  # both refused it (draining)
+    assert r.refusers(tried) == {A, B}
+    r.set_serving(A, False)
+    r.set_serving(A, True)  # replaced: a new engine on A's address
+    assert r.refusers(tried) == {B}
+    r.set_serving(B, True)  # no change of state: still the engine that refused
+    assert r.refusers(tried) == {B}
+
+
+def test_a_replica_is_expected_back_only_for_a_while_after_it_stopped_serving():
+    now = [100.0]
+    r = router(A, clock=lambda: now[0])
+    assert r.served_within(30)
+    r.set_serving(A, False)
+    now[0] += 29
+    assert r.served_within(30)
+    now[0] += 2
+    assert not r.served_within(30)
+    never = Router()
+    never.set_replicas([B])
+    assert not never.served_within(30)  # a replica that never served is not expected
+
+
+def test_a_wait_for_a_serving_replica_ends_when_one_comes_back_and_not_for_a_refuser():
+    r = router(A, B)
+    tried = {A: r.comebacks(A), B: r.comebacks(B)}
+    r.set_serving(A, False)
+    r.set_serving(B, False)
+    assert not r.wait_serving(tried, 0.0)
+    came_back = threading.Event()
+
+    def restore() -> None:
+        r.set_serving(B, True)  # B again: it counts anew (a new engine on B's address)
+        came_back.set()
+
+    timer = threading.Timer(0.05, restore)
+    timer.start()
+    try:
+        assert r.wait_serving(tried, 600)  # woken by the change, not by the timeout
+        assert came_back.is_set()
+    finally:
+        timer.cancel()
+    assert r.route(RouteKey(), exclude=r.refusers(tried)).address == B
 
 
 def test_replicas_of_one_cache_share_its_templates_and_the_router_knows_its_caches():
