@@ -19,27 +19,21 @@ starting another on the same files.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import signal
 import subprocess
 import time
 from pathlib import Path
 
 import redis
 
+from kvd.children import stop_with_parent
+
 log = logging.getLogger("gateway.redis")
 
-_PR_SET_PDEATHSIG = 1
 # A unix socket path longer than this cannot be bound (sun_path is 108 bytes).
 _MAX_SOCKET_PATH = 104
 START_TIMEOUT_S = 20.0
-
-
-def _die_with_parent() -> None:
-    """Runs in the child between fork and exec."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
 def _alive(pid: int) -> bool:
@@ -72,7 +66,7 @@ class EmbeddedRedis:
                 cwd=self.data_dir,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent,
+                preexec_fn=stop_with_parent,
             )
             log.info("embedded Redis started", extra={"dir": str(self.data_dir), "pid": self.process.pid})
         else:

@@ -19,7 +19,6 @@ children get SIGTERM if kvd-serve dies, even killed outright.
 
 from __future__ import annotations
 
-import ctypes
 import signal
 import subprocess
 import sys
@@ -31,6 +30,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.cli import HTTP_LISTEN
+from kvd.children import stop_with_parent
 from kvd.cli import SOCKET
 from kvd.settings import Setting, SettingsCommand, parse
 
@@ -57,8 +57,6 @@ COMMAND = SettingsCommand(
         SOCKET,  # the daemon's own: kvd-serve hands it to the daemon and the engines
     ],
 )
-
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 #: How long a replaced engine may take to come back and serve (model load included).
 ENGINE_START_S = 300.0
@@ -92,7 +90,7 @@ class Stack:
             self._start(name)
 
     def _start(self, name: str) -> None:
-        self.procs[name] = subprocess.Popen(self.commands[name], preexec_fn=_stop_with_parent)
+        self.procs[name] = subprocess.Popen(self.commands[name], preexec_fn=stop_with_parent)
 
     def dead(self) -> tuple[str, int] | None:
         """A child that exited, and its code (None: all run)."""
@@ -125,13 +123,6 @@ class Stack:
                 proc.wait(timeout=45)  # an engine drains: its running requests finish first
             except subprocess.TimeoutExpired:
                 proc.kill()
-
-
-def _stop_with_parent() -> None:
-    """Run in each child before its exec: it gets SIGTERM when kvd-serve dies,
-    however it dies (killed outright, it cannot stop them; Linux's prctl)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def wait_serving(address: str, proc: subprocess.Popen, timeout_s: float) -> bool:

@@ -69,7 +69,7 @@ def wait_serving(address: str, timeout_s: float = 20.0, process: subprocess.Pope
 
 def stop_process(process: subprocess.Popen, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> int:
     """Signals a child and waits for it; kills it if it does not stop in time,
-    then kills what it left running in its process group (``spawn`` gives
+    then ends what it left running in its process group (``spawn`` gives
     each child its own: a supervisor killed outright leaves its children)."""
     if process.poll() is None:
         process.send_signal(sig)
@@ -78,14 +78,37 @@ def stop_process(process: subprocess.Popen, sig: int = signal.SIGTERM, timeout_s
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-    kill_group(process.pid)
+    end_group(process.pid, timeout_s)
     return process.returncode
+
+
+def end_group(leader: int, timeout_s: float) -> None:
+    """SIGTERMs what is left of ``leader``'s process group, waits for it to
+    exit (a Redis flushing its AOF), and SIGKILLs what outlives ``timeout_s``."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(leader, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while _group_members(leader) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    kill_group(leader)
 
 
 def kill_group(leader: int) -> None:
     """SIGKILLs the process group ``leader`` led (nothing when there is none left)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(leader, signal.SIGKILL)
+
+
+def _group_members(leader: int) -> list[int]:
+    """The live (not zombie) processes of ``leader``'s group."""
+    import psutil
+
+    members = []
+    for process in psutil.process_iter(["pid", "status"]):
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            if process.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(process.pid) == leader:
+                members.append(process.pid)
+    return members
 
 
 def spawn(
