@@ -48,7 +48,7 @@ from typing import Any
 
 import harness
 from chaos_load import DOCUMENTED, NEW_TOKENS, REQUEST_TIMEOUT_S, Attempt, Load, Prompt
-from harness.processes import kill_group, spawn, stop_process
+from harness.processes import spawn, stop_process
 from harness.text import english_like
 
 FAULTS = ("engine_kill", "daemon_kill", "gateway_kill", "redis_restart", "engine_drain")
@@ -141,12 +141,10 @@ class ChaosStack:
 
 
 def killed(child: harness.ChildProcess) -> None:
-    """SIGKILLs a harness child (and its process group), leaving it ready to start again."""
+    """SIGKILLs a harness child (then ends its process group), leaving it ready to start again."""
     proc, child.proc = child.proc, None
     if proc is not None:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        kill_group(proc.pid)
+        stop_process(proc, signal.SIGKILL)
 
 
 def engine_kill(stack: ChaosStack) -> None:
@@ -167,8 +165,7 @@ def gateway_kill(stack: ChaosStack) -> None:
 
 def redis_restart(stack: ChaosStack) -> None:
     proc, stack.redis = stack.redis, None
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    stop_process(proc, signal.SIGKILL)
     stack.start_redis()
 
 
