@@ -56,7 +56,7 @@ protos: setup
 
 # Rewrites the settings tables in docs/*.md from the declarations (a test fails on drift).
 docs: setup
-	$(BIN)/python -m kvd.settings_docs
+	$(BIN)/python -m kvd.common.settings_docs
 
 serve: setup
 	$(BIN)/kvd-serve $(ARGS)

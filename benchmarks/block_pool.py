@@ -58,7 +58,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvd.block_pool import BlockPool
 from kvd.cache_manager import KVCacheManager
-from kvd.client import DaemonClient
+from kvd.common.client import DaemonClient
 from kvd.scheduler import run_step
 from kvd.session import Session
 from kvd_api.daemon.v1 import daemon_pb2 as pb

@@ -36,7 +36,7 @@ from inference.requests import Finish, RequestTable, Sequence, Work
 from inference.sampling import SamplingParams
 from kvd.block_pool import BlockPool
 from kvd.cache_manager import KVCacheManager
-from kvd.hashing import BlockHasher
+from kvd.common.hashing import BlockHasher
 from kvd.scheduler import run_step
 from kvd.session import Session
 from kvd_api.daemon.v1 import daemon_pb2 as pb

@@ -134,7 +134,7 @@ class ChaosStack:
             return False
 
     def daemon_stats(self):
-        from kvd.client import DaemonClient
+        from kvd.common.client import DaemonClient
 
         with DaemonClient.connect(self.daemon.address) as client:
             return client.stats()

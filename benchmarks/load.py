@@ -131,7 +131,7 @@ def memory_mb(pids: dict[str, int]) -> dict[str, dict[str, float]]:
 
     NOTE: RSS counts the pages of the shared-memory KV cache a process maps
     (the daemon and the engine both map all of it from the start, as the
-    daemon does its host tier: kvd/memory.py, kvd/offload.py), so it is fixed
+    daemon does its host tier: kvd/common/memory.py, kvd/offload.py), so it is fixed
     after start unless something leaks. USS (pages only this process maps)
     moves as pages of the shared cache become or stop being shared.
     """
@@ -151,7 +151,7 @@ def memory_mb(pids: dict[str, int]) -> dict[str, dict[str, float]]:
 def memory_sample(pids: dict[str, int], daemon_address: str, elapsed: float) -> dict[str, Any]:
     """One point of the memory time series: RSS and RSS less the shared KV
     cache per process (MiB), and the host tier's used slots."""
-    from kvd.client import DaemonClient
+    from kvd.common.client import DaemonClient
 
     sample: dict[str, Any] = {"t_s": round(elapsed, 1)}
     for name, mb in memory_mb(pids).items():
@@ -164,7 +164,7 @@ def memory_sample(pids: dict[str, int], daemon_address: str, elapsed: float) -> 
 
 def held_blocks(daemon_address: str) -> dict[str, int]:
     """Blocks requests still hold in each tier (pins excluded), once nothing runs."""
-    from kvd.client import DaemonClient
+    from kvd.common.client import DaemonClient
 
     with DaemonClient.connect(daemon_address) as client:
         for _ in range(100):

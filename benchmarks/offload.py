@@ -59,7 +59,7 @@ from harness.streams import Stream, stream  # noqa: E402
 from harness.text import english_like, exact_tokens  # noqa: E402
 
 from inference import model_store  # noqa: E402
-from kvd.client import DaemonClient  # noqa: E402
+from kvd.common.client import DaemonClient  # noqa: E402
 from kvd_api.engine.v1 import engine_pb2_grpc as pb_grpc  # noqa: E402
 
 VARIANTS = ("no_cache", "device_only", "host_tier")

@@ -139,7 +139,7 @@ def median_run(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def reset(daemons) -> None:
-    from kvd.client import DaemonClient
+    from kvd.common.client import DaemonClient
     from kvd_api.daemon.v1 import daemon_pb2 as dpb
 
     for kvd in daemons:
@@ -151,7 +151,7 @@ def routing_overhead(tokenizer, rng: random.Random) -> dict[str, float]:
     """What cost or affinity routing adds to a plain-text request in the
     gateway: tokenizing it (the gateway's own tokenizer, no round trip) and
     hashing its blocks (medians over 50, 300-token prompts)."""
-    from kvd.hashing import encode_extra_keys, hash_token_ids
+    from kvd.common.hashing import encode_extra_keys, hash_token_ids
 
     texts = [words(rng, tokenizer, 300) for _ in range(50)]
     tokenize_s, hash_s = [], []

@@ -23,8 +23,8 @@ import harness
 import torch
 
 from kvd.block import Block
+from kvd.common.layout import CacheLayout
 from kvd.host_tier import HostSlot
-from kvd.layout import CacheLayout
 from kvd.offload import TierCopier
 
 

@@ -36,7 +36,7 @@ from tests.integration.gateway_client import completion, document  # noqa: E402
 MAX_NEW_TOKENS = 8
 #: The daemon's Stats, read inside its container over its unix socket.
 STATS = (
-    "import json; from kvd.client import DaemonClient; "
+    "import json; from kvd.common.client import DaemonClient; "
     "s = DaemonClient.connect('unix:/run/kvd/kvd.sock').stats(); "
     "print(json.dumps({f.name: getattr(s, f.name) for f in s.DESCRIPTOR.fields}))"
 )

@@ -16,7 +16,7 @@ from gateway.router import Router, RouterConfig
 from gateway.service import STATUS_BY_ERROR, GatewayService
 from gateway.templates import TemplateStore
 from gateway.tenants import Authenticator, FileKeys, KeyStore, RedisKeys, TenantLimits
-from kvd.grpc_server import CallLimit, OpenCalls, build_server
+from kvd.common.grpc_server import CallLimit, OpenCalls, build_server
 from kvd_api.gateway.v1 import gateway_pb2 as pb
 from kvd_api.gateway.v1 import gateway_pb2_grpc as pb_grpc
 

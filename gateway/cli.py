@@ -5,7 +5,7 @@
                                               make a key, store it in Redis, print it
 
 Its settings are declared once, in ``COMMAND`` and ``ADD_KEY`` (see
-``kvd.settings``): each flag with the environment variable that sets it (for
+``kvd.common.settings``): each flag with the environment variable that sets it (for
 containers), read here, once, into ``GatewaySettings``, and nowhere deeper.
 """
 
@@ -22,8 +22,8 @@ from types import SimpleNamespace
 import click
 
 from gateway.router import POLICIES
-from kvd import logs
-from kvd.settings import Setting, SettingsCommand, log_level, parse
+from kvd.common import logs
+from kvd.common.settings import Setting, SettingsCommand, log_level, parse
 
 log = logging.getLogger("gateway")
 

@@ -24,7 +24,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from gateway.client import GatewayClient
-from kvd.settings import EPILOG, Setting
+from kvd.common.settings import EPILOG, Setting
 
 
 def _show(message) -> None:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import redis
 
-from kvd.children import stop_with_parent
+from kvd.common.children import stop_with_parent
 
 log = logging.getLogger("gateway.redis")
 

@@ -51,8 +51,8 @@ from gateway.tenants import (
     tenant_salt,
 )
 from gateway.tokenizer import GatewayTokenizer
-from kvd.grpc_server import StatusTable
-from kvd.hashing import encode_extra_keys, hash_token_ids
+from kvd.common.grpc_server import StatusTable
+from kvd.common.hashing import encode_extra_keys, hash_token_ids
 from kvd_api.engine.v1 import engine_pb2 as epb
 from kvd_api.gateway.v1 import gateway_pb2 as pb
 from kvd_api.gateway.v1 import gateway_pb2_grpc as pb_grpc
@@ -65,7 +65,7 @@ WARM_TIMEOUT_S = 120.0
 #: An engine's refusals before a request's first token that another replica may answer.
 _HANDED_OVER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
-# The gateway's exceptions and the statuses callers get for them (kvd.grpc_server).
+# The gateway's exceptions and the statuses callers get for them (kvd.common.grpc_server).
 STATUS_BY_ERROR: StatusTable = (
     (grpc.RpcError, engine_error),  # from an engine
     (TemplateNotFound, grpc.StatusCode.NOT_FOUND),

@@ -14,8 +14,8 @@ import torch
 from inference import attention, model_identity, model_store, model_support
 from inference.engine import Engine, EngineConfig
 from inference.service import EngineService, ModelInfo, build_server
-from kvd.client import DaemonClient, DaemonSession
-from kvd.layout import CacheLayout
+from kvd.common.client import DaemonClient, DaemonSession
+from kvd.common.layout import CacheLayout
 
 log = logging.getLogger("inference.app")
 
@@ -81,7 +81,7 @@ class EngineApp:
         self.model.set_attn_implementation(attention.BACKENDS[self.backend])
         kv = self.spec.layout
         self.layout = CacheLayout(kv.num_layers, kv.num_kv_heads, kv.head_dim, 1, self.dtype)
-        # NOTE: blocks of another model with the same layout would be garbage here (kvd.identity).
+        # NOTE: blocks of another model with the same layout would be garbage here (kvd.common.identity).
         self.identity = model_identity.identify(path, self.model.config.model_type, cache_dir / "digests")
         self.engine = Engine(
             self.model,

@@ -1,6 +1,6 @@
 """`kvd-engine`: runs the inference engine against a KV-cache daemon.
 
-Its settings are declared once, in ``COMMAND`` (see ``kvd.settings``): each
+Its settings are declared once, in ``COMMAND`` (see ``kvd.common.settings``): each
 flag with the environment variable that sets it (for containers), read here,
 once, into ``EngineSettings``, and nowhere deeper.
 """
@@ -17,9 +17,9 @@ from types import SimpleNamespace
 
 import click
 
-from kvd import logs
-from kvd.auth import read_token
-from kvd.settings import (
+from kvd.common import logs
+from kvd.common.auth import read_token
+from kvd.common.settings import (
     DEFAULT_SOCKET_TEXT,
     Setting,
     SettingsCommand,

@@ -48,7 +48,7 @@ from inference.requests import Finish, RequestTable, Sequence, Work
 from inference.sampling import Sampler, make_generator
 from inference.step_inputs import Chunk
 from inference.streams import SampledToken, StreamWriter
-from kvd.client import DaemonSession, LeaseLapsed
+from kvd.common.client import DaemonSession, LeaseLapsed
 
 log = logging.getLogger("inference.engine")
 

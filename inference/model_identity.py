@@ -1,4 +1,4 @@
-"""The digests that name a model folder to the daemon (``kvd.identity``).
+"""The digests that name a model folder to the daemon (``kvd.common.identity``).
 
 Hashing a model's weights reads every byte of them (about 0.6 s per 500 MB
 here), so a file's digest is remembered beside the converted models, keyed
@@ -14,7 +14,7 @@ import logging
 import os
 from pathlib import Path
 
-from kvd.identity import ModelIdentity
+from kvd.common.identity import ModelIdentity
 
 log = logging.getLogger("inference.model_identity")
 

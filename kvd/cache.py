@@ -19,16 +19,16 @@ import torch
 from kvd.block import Block
 from kvd.block_pool import DISK, BlockEvent, BlockPool, BlockRemoved
 from kvd.cache_manager import KVCacheManager
+from kvd.common.hashing import BlockHasher, encode_extra_keys, pack_tokens
+from kvd.common.identity import ModelIdentity
+from kvd.common.layout import CacheLayout
+from kvd.common.memory import KVMemory
 from kvd.config import DaemonConfig
 from kvd.disk_format import fingerprint
 from kvd.disk_store import DiskStore
 from kvd.disk_tier import DiskTier
 from kvd.errors import PreconditionError
-from kvd.hashing import BlockHasher, encode_extra_keys, pack_tokens
 from kvd.host_tier import HostTier
-from kvd.identity import ModelIdentity
-from kvd.layout import CacheLayout
-from kvd.memory import KVMemory
 from kvd.offload import Offload, SwapIn, TierCopier
 from kvd.pins import PinRegistry
 
@@ -65,7 +65,7 @@ class KVCache:
         num_blocks = config.num_blocks or layout.num_blocks_for(config.memory_budget_bytes)
         self.memory = KVMemory(layout, num_blocks, config.device, config.shm_dir)
         self.cache_id = uuid.uuid4().hex  # a new cache, a new id: engines tell restarts apart
-        self.model: ModelIdentity | None = None  # named by the first engine that names one (kvd.identity)
+        self.model: ModelIdentity | None = None  # named by the first engine that names one (kvd.common.identity)
         self.pool = BlockPool(num_blocks, enable_caching=config.enable_caching, record_events=True)
         num_host_blocks = config.host_num_blocks or (config.host_memory_budget_bytes // layout.block_bytes)
         self.host: HostTier | None = None

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from kvd.block import Block
 from kvd.block_pool import BlockPool
 from kvd.cache_request import Request
-from kvd.hashing import BlockHasher, encode_extra_keys, pack_tokens
+from kvd.common.hashing import BlockHasher, encode_extra_keys, pack_tokens
 from kvd.host_tier import HostSlot, HostTier
 
 if TYPE_CHECKING:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 
 from kvd.block import Block
-from kvd.hashing import BlockHasher
+from kvd.common.hashing import BlockHasher
 
 
 @dataclass(slots=True, eq=False)

@@ -1,6 +1,6 @@
 """`kvd`: runs the KV-cache daemon.
 
-Its settings are declared once, in ``COMMAND`` (see ``kvd.settings``): each
+Its settings are declared once, in ``COMMAND`` (see ``kvd.common.settings``): each
 flag with the environment variable that sets it (for containers), read here,
 once, into a ``DaemonConfig``, and nowhere deeper.
 """
@@ -18,13 +18,12 @@ from types import SimpleNamespace
 
 import click
 
-from kvd import logs
-from kvd.settings import (
-    DEFAULT_SOCKET_TEXT,
+from kvd.common import logs
+from kvd.common.settings import (
     SIZE,
+    SOCKET,
     Setting,
     SettingsCommand,
-    default_socket,
     log_level,
     parse,
     refuse_retired_variables,
@@ -37,16 +36,6 @@ _CACHE = "cache"
 _HOST_TIER = "host tier (offload to host memory; off by default)"
 _DISK_TIER = "disk tier (blocks kept on disk across restarts; off by default, needs the host tier)"
 _LAYOUT = "layout (optional: otherwise the first engine's model decides)"
-
-#: The unix socket; kvd-serve passes its own to the daemon it starts.
-SOCKET = Setting(
-    "--socket",
-    env="KVD_SOCKET",
-    default=default_socket,
-    default_text=DEFAULT_SOCKET_TEXT,
-    section=_LISTENING,
-    help="the daemon's unix socket (mode 0600: only this user, who may call everything)",
-)
 
 COMMAND = SettingsCommand(
     "kvd",
@@ -213,8 +202,8 @@ def _resolve_device(device: str) -> str:
 
 def config_from(args: SimpleNamespace):
     """The daemon's config from its settings' values (ValueError: an invalid combination)."""
+    from kvd.common.layout import CacheLayout
     from kvd.config import DaemonConfig
-    from kvd.layout import CacheLayout
 
     layout = None
     if args.num_layers or args.num_kv_heads or args.head_dim:
@@ -324,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _tcp_auth(args: SimpleNamespace) -> tuple:
     """The token check of the TCP listener (none without one: the socket is 0600)."""
-    from kvd.auth import TokenAuth, read_token
+    from kvd.common.auth import TokenAuth, read_token
 
     if not args.listen:
         return ()

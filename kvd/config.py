@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvd.layout import CacheLayout
+from kvd.common.layout import CacheLayout
 
 
 @dataclass(frozen=True)

@@ -19,13 +19,13 @@ from collections.abc import Callable, Sequence
 
 from kvd.block import Block
 from kvd.cache import KVCache
+from kvd.common.identity import ModelIdentity
+from kvd.common.layout import CacheLayout
+from kvd.common.memory import KVMemory
+from kvd.common.process_identity import ProcessIdentity
 from kvd.config import DaemonConfig
 from kvd.errors import PreconditionError
 from kvd.events import EventBatch, EventHub, EventsSnapshot
-from kvd.identity import ModelIdentity
-from kvd.layout import CacheLayout
-from kvd.memory import KVMemory
-from kvd.process_identity import ProcessIdentity
 from kvd.quarantine import Quarantine
 from kvd.scheduler import run_step
 from kvd.session import Session, SessionRegistry
@@ -95,7 +95,7 @@ class Daemon:
     ) -> tuple[Session, KVMemory]:
         """Opens a session, creating the cache from ``model_layout`` if none exists.
         ``process``: the engine's, checked if the session's lease lapses;
-        ``model``: the engine's model, which must be the cache's (kvd.identity).
+        ``model``: the engine's model, which must be the cache's (kvd.common.identity).
 
         Raises:
             PreconditionError: no cache and no layout, a layout that does not

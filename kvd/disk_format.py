@@ -6,7 +6,7 @@ Layout under ``--disk-path``::
     DIR/<fingerprint>/.tmp/<random>          (a write in progress; removed at start)
 
 The **fingerprint** names everything that makes a block's bytes meaningful:
-the model (its config, weights and tokenizer digests, ``kvd.identity``), the
+the model (its config, weights and tokenizer digests, ``kvd.common.identity``), the
 cache layout (layers, KV heads, head dim, block size, dtype) and this file's
 format version. A daemon reads only its own fingerprint's folder, so a block
 of another model, layout or format is never served; the tenant is already in
@@ -34,8 +34,8 @@ import struct
 
 import xxhash
 
-from kvd.identity import ModelIdentity
-from kvd.layout import CacheLayout
+from kvd.common.identity import ModelIdentity
+from kvd.common.layout import CacheLayout
 
 #: Bumped whenever the file layout or the meaning of its payload changes:
 #: it is part of the fingerprint, so older files are never read as newer ones.

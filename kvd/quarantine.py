@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvd.cache_manager import KVCacheManager
-from kvd.process_identity import Liveness, ProcessIdentity, liveness
+from kvd.common.process_identity import Liveness, ProcessIdentity, liveness
 from kvd.session import Session
 
 

@@ -8,13 +8,13 @@ from collections.abc import Iterator
 
 import grpc
 
-from kvd import wire
 from kvd.block_pool import DEVICE, DISK, HOST, AllCleared, BlockEvent, BlockRemoved, BlockStored, FreeBlockQueue
+from kvd.common import wire
+from kvd.common.grpc_server import Server, StatusTable
+from kvd.common.grpc_server import build_server as build_grpc_server
 from kvd.daemon import Daemon
 from kvd.errors import CapacityError, NotFoundError, PreconditionError
 from kvd.events import EventsSnapshot
-from kvd.grpc_server import Server, StatusTable
-from kvd.grpc_server import build_server as build_grpc_server
 from kvd.metrics import DaemonMetrics
 from kvd_api.daemon.v1 import daemon_pb2 as pb
 from kvd_api.daemon.v1 import daemon_pb2_grpc as pb_grpc
@@ -23,7 +23,7 @@ log = logging.getLogger("kvd.service")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVDaemon"].full_name
 
-# The daemon's exceptions and the statuses callers get for them (kvd.grpc_server).
+# The daemon's exceptions and the statuses callers get for them (kvd.common.grpc_server).
 STATUS_BY_ERROR: StatusTable = (
     (NotFoundError, grpc.StatusCode.NOT_FOUND),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),

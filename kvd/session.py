@@ -51,9 +51,9 @@ from kvd.block import Block
 from kvd.cache_manager import KVCacheManager
 from kvd.cache_request import Request
 from kvd.cache_request import schedule_order as _order
+from kvd.common.hashing import pack_tokens
+from kvd.common.process_identity import ProcessIdentity
 from kvd.errors import NotFoundError
-from kvd.hashing import pack_tokens
-from kvd.process_identity import ProcessIdentity
 from kvd_api.daemon.v1 import daemon_pb2 as pb
 
 #: Freed request ids remembered per session, to tell a double free (a caller

@@ -33,7 +33,7 @@ from benchmarks.harness.processes import (
     stop_process,
     wait_serving,
 )
-from kvd.client import DaemonClient
+from kvd.common.client import DaemonClient
 
 
 def _interpret_triton_without_cuda() -> None:

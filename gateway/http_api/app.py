@@ -13,7 +13,7 @@ from gateway.http_api import completions, templates_routes
 from gateway.http_api.calls import ApiError, LocalCall, api_error, log
 from gateway.http_api.relay import Relay
 from gateway.service import GatewayService
-from kvd.grpc_server import OpenCalls
+from kvd.common.grpc_server import OpenCalls
 from kvd_api.gateway.v1 import gateway_pb2 as pb
 
 

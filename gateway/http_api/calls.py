@@ -20,7 +20,7 @@ from collections.abc import Callable
 import grpc
 
 from gateway.service import STATUS_BY_ERROR
-from kvd.grpc_server import status_of
+from kvd.common.grpc_server import status_of
 
 log = logging.getLogger("gateway.http")
 

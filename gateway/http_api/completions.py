@@ -22,7 +22,7 @@ from gateway.http_api.calls import ApiError, LocalCall, api_error
 from gateway.http_api.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.http_api.translate import Chunks, completion_body, generate_request
 from gateway.tenants import SCOPE_GENERATE
-from kvd.grpc_server import OpenCalls
+from kvd.common.grpc_server import OpenCalls
 
 router = APIRouter()
 

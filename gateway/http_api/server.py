@@ -17,7 +17,7 @@ import uvicorn
 from gateway.http_api.app import create_app
 from gateway.http_api.relay import Relay
 from gateway.service import GatewayService
-from kvd.grpc_server import OpenCalls
+from kvd.common.grpc_server import OpenCalls
 
 log = logging.getLogger("gateway.http")
 

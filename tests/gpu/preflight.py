@@ -35,7 +35,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "protos"), str(ROOT / "benchmarks")]  # th
 MODULES = (
     "torch", "triton", "transformers", "tokenizers", "safetensors", "numpy", "grpc", "grpc_health.v1.health_pb2",
     "grpc_reflection.v1alpha.reflection", "google.protobuf", "xxhash", "prometheus_client", "psutil", "click",
-    "pytest", "pytest_timeout", "kvd.cli", "kvd.daemon", "kvd.memory", "kvd.offload", "kvd.client",
+    "pytest", "pytest_timeout", "kvd.cli", "kvd.daemon", "kvd.common.memory", "kvd.offload", "kvd.common.client",
     "inference.cli", "inference.app", "inference.engine", "inference.cuda_graphs", "inference.kernels.paged_attention",
     "inference.kernels.kv_store", "tests.conftest", "tests.gpu.conftest", "tests.gpu.random_llama",
     "tests.integration.engine_client", "tests.model_families", "tests.kernel_variants", "tests.kernel_compile",
@@ -161,7 +161,7 @@ _CHILD = textwrap.dedent(
         storage = torch.UntypedStorage._new_shared_cuda(*storage_args)
         tensor = torch.empty(0, dtype=torch.float32, device="cuda").set_(storage, 0, shape, (1,))
     else:
-        from kvd.memory import map_kv_cache
+        from kvd.common.memory import map_kv_cache
         export, layout, shape, stride, event_handle = args
         tensor = map_kv_cache(export, layout, shape, stride).view(-1)
     torch.cuda.current_stream().wait_event(torch.cuda.Event.from_ipc_handle(tensor.device, event_handle))
@@ -183,11 +183,11 @@ def _run_child(how: str, args: tuple) -> None:
 
 def cuda_ipc() -> dict:
     """A child process maps a tensor and waits on an interprocess event: with
-    torch's own calls, then through kvd.memory (the daemon's export)."""
+    torch's own calls, then through kvd.common.memory (the daemon's export)."""
     import torch
 
-    from kvd.layout import CacheLayout
-    from kvd.memory import KVMemory
+    from kvd.common.layout import CacheLayout
+    from kvd.common.memory import KVMemory
 
     event = torch.cuda.Event(interprocess=True)
     tensor = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
@@ -204,7 +204,7 @@ def cuda_ipc() -> dict:
     event.record()
     _run_child("kvd", (memory.export, layout, memory.shape, memory.stride, event.ipc_handle()))
     torch.cuda.synchronize()
-    assert torch.all(flat == 7), "the child's write through kvd.memory's export is not seen here"
+    assert torch.all(flat == 7), "the child's write through kvd.common.memory's export is not seen here"
     return {"allocator": {k: os.environ.get(k) for k in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}}
 
 

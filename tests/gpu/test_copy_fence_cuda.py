@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvd.client import DaemonClient
+from kvd.common.client import DaemonClient
 from kvd_api.daemon.v1 import daemon_pb2 as pb
 from tests.conftest import wait_for
 

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.gpu
 WRITER = textwrap.dedent(
     """
     import sys, torch
-    from kvd.client import DaemonClient
+    from kvd.common.client import DaemonClient
     session = DaemonClient.connect(sys.argv[1]).attach("gpu-writer")
     block = int(sys.argv[2])
     assert session.cache.is_cuda, session.cache.device

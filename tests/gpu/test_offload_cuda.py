@@ -11,7 +11,7 @@ import concurrent.futures as cf
 import pytest
 import torch
 
-from kvd.client import DaemonClient
+from kvd.common.client import DaemonClient
 from tests.conftest import start_daemon, start_engine, wait_for
 from tests.integration.engine_client import (
     assert_close_to_reference,

@@ -14,7 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvd.client import DaemonClient
+from kvd.common.client import DaemonClient
 from kvd_api.daemon.v1 import daemon_pb2 as pb
 from kvd_api.daemon.v1 import daemon_pb2_grpc as pb_grpc
 from tests.conftest import SMALL_LAYOUT, free_port, start_daemon

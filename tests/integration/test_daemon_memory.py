@@ -13,14 +13,14 @@ import grpc
 import pytest
 import torch
 
-from kvd import wire
-from kvd.layout import CacheLayout
+from kvd.common import wire
+from kvd.common.layout import CacheLayout
 from kvd_api.daemon.v1 import daemon_pb2 as pb
 
 WRITER = textwrap.dedent(
     """
     import sys, torch
-    from kvd.client import DaemonClient
+    from kvd.common.client import DaemonClient
     client = DaemonClient.connect(sys.argv[1])
     session = client.attach("writer")
     block = int(sys.argv[2])

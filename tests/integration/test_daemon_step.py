@@ -147,7 +147,7 @@ def test_a_killed_engines_blocks_are_released(daemon):
     holder = textwrap.dedent(
         """
         import sys, time
-        from kvd.client import DaemonClient
+        from kvd.common.client import DaemonClient
         from kvd_api.daemon.v1 import daemon_pb2 as pb
         session = DaemonClient.connect(sys.argv[1]).attach("doomed")
         session.step(pb.StepRequest(new_requests=[pb.NewRequest(request_id="r", prompt_token_ids=range(40))]))

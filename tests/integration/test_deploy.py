@@ -28,7 +28,7 @@ import yaml
 
 from benchmarks.harness.processes import spawn
 from gateway.client import GatewayClient
-from kvd.settings_docs import readers
+from kvd.common.settings_docs import readers
 from tests.conftest import ChildProcess, free_port, wait_for, wait_serving
 
 ROOT = Path(__file__).resolve().parents[2]

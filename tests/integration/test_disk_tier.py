@@ -27,8 +27,8 @@ import pytest
 
 from gateway.client import GatewayClient
 from kvd import disk_format
-from kvd.client import DaemonClient
-from kvd.hashing import BlockHasher, encode_extra_keys, pack_tokens
+from kvd.common.client import DaemonClient
+from kvd.common.hashing import BlockHasher, encode_extra_keys, pack_tokens
 from kvd_api.daemon.v1 import daemon_pb2 as pb
 from tests.conftest import blocks_held, memo_greedy, start_daemon, start_engine, start_gateway, wait_for
 from tests.integration.engine_client import generate, request, stub

@@ -7,7 +7,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.tokenizer import GatewayTokenizer
-from kvd.client import DaemonClient
+from kvd.common.client import DaemonClient
 from kvd_api.engine.v1 import engine_pb2 as pb
 from tests.integration.engine_client import generate, request, stub
 

@@ -11,7 +11,7 @@ import threading
 import grpc
 from grpc_health.v1 import health_pb2
 
-from kvd.client import DaemonClient
+from kvd.common.client import DaemonClient
 from kvd_api.engine.v1 import engine_pb2 as pb
 from tests.conftest import blocks_held, health_status, start_daemon, wait_for
 from tests.integration.engine_client import generate, request, stub

@@ -17,9 +17,9 @@ from inference import attention
 from inference.engine import Engine, EngineConfig
 from inference.requests import Finish, Sequence
 from inference.sampling import SamplingParams
+from kvd.common.layout import CacheLayout
 from kvd.config import DaemonConfig
 from kvd.daemon import Daemon
-from kvd.layout import CacheLayout
 from kvd.service import build_server
 from tests.conftest import wait_for
 from tests.integration.engine_client import reference_greedy
@@ -101,7 +101,7 @@ def test_graphs_are_captured_at_each_attach_and_replayed_with_generates_tokens(m
 
 
 def _attach(daemon: InProcessDaemon, layout: CacheLayout):
-    from kvd.client import DaemonClient
+    from kvd.common.client import DaemonClient
 
     client = DaemonClient.connect(daemon.address)
     return client.attach("graphs", layout)

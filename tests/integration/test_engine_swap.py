@@ -21,7 +21,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from gateway.client import GatewayClient
-from kvd.client import DaemonClient
+from kvd.common.client import DaemonClient
 from kvd_api.engine.v1 import engine_pb2 as epb
 from tests.conftest import (
     blocks_held,

@@ -26,7 +26,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from benchmarks.harness.processes import free_port_at, spawn, stop_process
 from gateway.client import GatewayClient
 from inference import model_store
-from kvd.client import DaemonClient
+from kvd.common.client import DaemonClient
 from tests.conftest import (
     blocks_held,
     free_port,

@@ -12,7 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvd.health_probe import check
+from kvd.common.health_probe import check
 from tests.conftest import SMALL_LAYOUT, free_port
 
 PROBE = str(Path(sys.executable).parent / "kvd-health")

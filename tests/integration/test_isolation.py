@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from gateway.client import GatewayClient
-from kvd.client import DaemonClient
+from kvd.common.client import DaemonClient
 from tests.conftest import start_gateway, wait_for
 from tests.integration.gateway_client import completion
 

@@ -28,8 +28,8 @@ import torch
 
 from inference.app import EngineApp, EngineSettings
 from inference.model_support import VERIFIED_FAMILIES
+from kvd.common.grpc_server import Server
 from kvd.daemon import Daemon, DaemonConfig
-from kvd.grpc_server import Server
 from kvd.service import build_server
 from kvd_api.engine.v1 import engine_pb2 as pb
 from tests.conftest import wait_serving

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from kvd.client import DaemonClient
+from kvd.common.client import DaemonClient
 from kvd_api.daemon.v1 import daemon_pb2 as pb
 from tests.conftest import blocks_held, memo_greedy, wait_for
 from tests.integration.engine_client import generate, request, stub

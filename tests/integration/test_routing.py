@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from gateway.client import GatewayClient
-from kvd.client import DaemonClient
+from kvd.common.client import DaemonClient
 from tests.conftest import free_port, gateway_on_local_redis, start_daemon, start_engine, start_gateway, wait_for
 from tests.integration import engine_client
 from tests.integration.gateway_client import completion, document, status_of

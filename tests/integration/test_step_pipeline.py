@@ -24,10 +24,10 @@ from inference.model_runner import NO_MARK, ForwardMark
 from inference.requests import Sequence
 from inference.sampling import SamplingParams
 from inference.step_inputs import Chunk
-from kvd.client import DaemonClient
+from kvd.common.client import DaemonClient
+from kvd.common.layout import CacheLayout
 from kvd.config import DaemonConfig
 from kvd.daemon import Daemon
-from kvd.layout import CacheLayout
 from kvd.service import build_server
 from tests.conftest import wait_for
 

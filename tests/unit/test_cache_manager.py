@@ -6,7 +6,7 @@ import pytest
 
 from kvd.block_pool import BlockPool
 from kvd.cache_manager import DEFERRED, KVCacheManager
-from kvd.hashing import encode_extra_keys, hash_token_ids
+from kvd.common.hashing import encode_extra_keys, hash_token_ids
 
 BS = 4
 

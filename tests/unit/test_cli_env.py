@@ -8,7 +8,7 @@ import pytest
 
 from inference import cli as engine_cli
 from kvd import cli as daemon_cli
-from kvd.settings import parse
+from kvd.common.settings import parse
 
 
 @pytest.mark.parametrize("main, prog", [(daemon_cli.main, "kvd"), (engine_cli.main, "kvd-engine")])

@@ -10,11 +10,11 @@ import time
 
 import pytest
 
+from kvd.common.layout import CacheLayout
+from kvd.common.process_identity import Liveness, ProcessIdentity, liveness
 from kvd.config import DaemonConfig
 from kvd.daemon import Daemon
 from kvd.errors import NotFoundError, PreconditionError
-from kvd.layout import CacheLayout
-from kvd.process_identity import Liveness, ProcessIdentity, liveness
 from kvd_api.daemon.v1 import daemon_pb2 as pb
 
 LAYOUT = CacheLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_size=4, dtype="float32")

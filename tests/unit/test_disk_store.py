@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from kvd import disk_format
+from kvd.common.identity import ModelIdentity
+from kvd.common.layout import CacheLayout
 from kvd.disk_store import DiskStore
-from kvd.identity import ModelIdentity
-from kvd.layout import CacheLayout
 
 PAYLOAD = 4096
 FILE = disk_format.file_size(b"h" * 32, PAYLOAD)

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from kvd import disk_format
+from kvd.common.hashing import BlockHasher, encode_extra_keys, pack_tokens
+from kvd.common.identity import ModelIdentity
+from kvd.common.layout import CacheLayout
 from kvd.config import DaemonConfig
 from kvd.daemon import Daemon
-from kvd.hashing import BlockHasher, encode_extra_keys, pack_tokens
-from kvd.identity import ModelIdentity
-from kvd.layout import CacheLayout
 from kvd_api.daemon.v1 import daemon_pb2 as pb
 from tests.unit.test_host_tier import block_ids, run
 

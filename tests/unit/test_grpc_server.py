@@ -8,7 +8,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvd.grpc_server import CallLimit, OpenCalls, build_server
+from kvd.common.grpc_server import CallLimit, OpenCalls, build_server
 
 
 class Refused(Exception):

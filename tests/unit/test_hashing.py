@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvd.hashing import (
+from kvd.common.hashing import (
     DOMAIN,
     MAX_TOKEN_ID,
     BlockHasher,

@@ -8,10 +8,10 @@ import torch
 from kvd.block import BlockState
 from kvd.block_pool import HOST, BlockPool, BlockRemoved, BlockStored
 from kvd.cache_manager import KVCacheManager
+from kvd.common.layout import CacheLayout
 from kvd.config import DaemonConfig
 from kvd.daemon import Daemon
 from kvd.host_tier import HostTier, SlotState
-from kvd.layout import CacheLayout
 from kvd_api.daemon.v1 import daemon_pb2 as pb
 
 BS = 4

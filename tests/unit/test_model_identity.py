@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from inference.model_identity import identify
+from kvd.common.identity import ModelIdentity
+from kvd.common.layout import CacheLayout
 from kvd.config import DaemonConfig
 from kvd.daemon import Daemon
 from kvd.errors import PreconditionError
-from kvd.identity import ModelIdentity
-from kvd.layout import CacheLayout
 
 LAYOUT = CacheLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_size=4, dtype="float32")
 

@@ -6,8 +6,8 @@ import pytest
 
 from kvd.block_pool import BlockPool
 from kvd.cache_manager import KVCacheManager
+from kvd.common.hashing import encode_extra_keys, hash_token_ids
 from kvd.errors import CapacityError, NotFoundError
-from kvd.hashing import encode_extra_keys, hash_token_ids
 from kvd.pins import PinRegistry
 
 BS = 4

@@ -23,8 +23,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from kvd.block import BlockState
 from kvd.block_pool import DEVICE, HOST, AllCleared, BlockPool, BlockRemoved, BlockStored
 from kvd.cache_manager import KVCacheManager
+from kvd.common.hashing import encode_extra_keys, hash_token_ids
 from kvd.errors import CapacityError, NotFoundError
-from kvd.hashing import encode_extra_keys, hash_token_ids
 from kvd.host_tier import HostTier, SlotState
 from kvd.pins import PinRegistry
 from kvd.scheduler import run_step

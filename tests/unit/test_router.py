@@ -9,7 +9,7 @@ import pytest
 from gateway.block_index import BlockIndex, index_keys
 from gateway.endpoints import check_endpoint, expand
 from gateway.router import Load, NoReplica, Route, RouteKey, Router, RouterConfig, rendezvous
-from kvd.hashing import encode_extra_keys, hash_token_ids
+from kvd.common.hashing import encode_extra_keys, hash_token_ids
 
 A, B, C = "10.0.0.1:50052", "10.0.0.2:50052", "10.0.0.3:50052"
 

@@ -128,7 +128,7 @@ def test_a_prompt_is_chunked_then_decodes_one_token_a_step():
 
 
 def test_the_prompt_crosses_once_and_is_hashed_once(monkeypatch):
-    from kvd.hashing import BlockHasher
+    from kvd.common.hashing import BlockHasher
 
     calls = []
     real = BlockHasher.advance

@@ -1,4 +1,4 @@
-"""Each setting declared once (kvd.settings): what the declarations give, and who may set what.
+"""Each setting declared once (kvd.common.settings): what the declarations give, and who may set what.
 
 The declarations give the --help text, the errors for bad values and the flag
 tables in docs/; every KVD_* variable that deploy/ (compose, the Kubernetes
@@ -17,8 +17,8 @@ import click
 import pytest
 import yaml
 
-from kvd.settings import RETIRED_VARIABLES, SIZE, Setting, parse, parse_size, settings
-from kvd.settings_docs import DOCS, PROGRAMS, command, readers, render, tables_in
+from kvd.common.settings import RETIRED_VARIABLES, SIZE, Setting, parse, parse_size, settings
+from kvd.common.settings_docs import DOCS, PROGRAMS, command, readers, render, tables_in
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -177,7 +177,7 @@ def test_a_bad_size_says_what_a_size_looks_like(text):
 
 
 def test_the_docs_tables_are_what_the_declarations_write():
-    """``make docs`` (python -m kvd.settings_docs) writes them; edit the declarations, not the tables."""
+    """``make docs`` (python -m kvd.common.settings_docs) writes them; edit the declarations, not the tables."""
     found = []
     for page in sorted(DOCS.glob("*.md")):
         text = page.read_text()

@@ -6,11 +6,11 @@ Step itself has no Python mirror: both sides use its protobuf messages.
 
 from __future__ import annotations
 
-from kvd import dtypes
-from kvd.identity import ModelIdentity
-from kvd.layout import CacheLayout
-from kvd.memory import CudaIpcExport, Export, KVMemory, SharedMemoryExport
-from kvd.process_identity import ProcessIdentity
+from kvd.common import dtypes
+from kvd.common.identity import ModelIdentity
+from kvd.common.layout import CacheLayout
+from kvd.common.memory import CudaIpcExport, Export, KVMemory, SharedMemoryExport
+from kvd.common.process_identity import ProcessIdentity
 from kvd_api.daemon.v1 import daemon_pb2 as pb
 
 #: The Step contract both sides speak (daemon.proto, "step"). An engine and a

@@ -1,7 +1,7 @@
 """The flag tables in docs/, written from the settings' declarations.
 
-    python -m kvd.settings_docs           # rewrite the tables in docs/*.md (make docs)
-    python -m kvd.settings_docs --check   # exit 1 naming each file whose tables are stale
+    python -m kvd.common.settings_docs           # rewrite the tables in docs/*.md (make docs)
+    python -m kvd.common.settings_docs --check   # exit 1 naming each file whose tables are stale
 
 A table stands between two markers in a docs page, the first naming what it
 lists: a program (``kvd``, ``kvd-engine``, ``kvd-gateway``, ``kvd-gateway add-key``,
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import click
 
-from kvd.settings import Setting, settings
+from kvd.common.settings import Setting, settings
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 
 #: Each program (pyproject's scripts; add-key is the gateway's subcommand) and
@@ -39,7 +39,7 @@ PROGRAMS = {
     "kvd-gateway add-key": "gateway.cli:ADD_KEY",
     "kvd-serve": "inference.stack:COMMAND",
     "kvd-cli": "gateway.client_cli:cli",
-    "kvd-health": "kvd.health_probe:COMMAND",
+    "kvd-health": "kvd.common.health_probe:COMMAND",
 }
 
 _BLOCK = re.compile(r"(<!-- settings: (?P<what>[\w -]+?) -->\n)(?P<body>.*?)(<!-- /settings -->)", re.DOTALL)
@@ -133,7 +133,7 @@ def tables_in(text: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvd.settings_docs", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m kvd.common.settings_docs", description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="change nothing; exit 1 if a table is stale")
     args = p.parse_args(argv)
     stale = []

@@ -15,7 +15,7 @@ import click
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvd.settings import Setting, SettingsCommand, parse
+from kvd.common.settings import Setting, SettingsCommand, parse
 
 COMMAND = SettingsCommand(
     "kvd-health",

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvd.layout import CacheLayout
+from kvd.common.layout import CacheLayout
 
 
 @dataclass(frozen=True, slots=True)

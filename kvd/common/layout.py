@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvd import dtypes
+from kvd.common import dtypes
 
 
 @dataclass(frozen=True, slots=True)

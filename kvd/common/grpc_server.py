@@ -30,7 +30,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-log = logging.getLogger("kvd.grpc_server")
+log = logging.getLogger("kvd.common.grpc_server")
 
 StatusFor = grpc.StatusCode | Callable[[Exception], tuple[grpc.StatusCode, str]]
 StatusTable = Sequence[tuple[type[BaseException], StatusFor]]

@@ -8,7 +8,7 @@ one ``click.Command``. From that one declaration come:
 - the ``--help`` text, which names each variable and default;
 - the error for a bad value, which names the flag and the variable
   (``Invalid value for '--block-size' (env var: 'KVD_BLOCK_SIZE'): ...``);
-- the flag tables in docs/ (``python -m kvd.settings_docs``; a test fails when
+- the flag tables in docs/ (``python -m kvd.common.settings_docs``; a test fails when
   they drift) and the tests that every ``KVD_*`` variable deploy/ and the docs
   set is one the process reading it declares, with a valid value.
 
@@ -159,6 +159,18 @@ def default_socket() -> str:
 
 #: How the docs write ``default_socket()``.
 DEFAULT_SOCKET_TEXT = "/tmp/kvd-$UID/kvd.sock"
+
+
+#: The daemon's unix socket: declared here because kvd-serve takes it too and passes
+#: its own to the daemon it starts.
+SOCKET = Setting(
+    "--socket",
+    env="KVD_SOCKET",
+    default=default_socket,
+    default_text=DEFAULT_SOCKET_TEXT,
+    section="listening",
+    help="the daemon's unix socket (mode 0600: only this user, who may call everything)",
+)
 
 # Variables no longer read, and what replaced them: a container started with
 # one is refused rather than silently run with a default.

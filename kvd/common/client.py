@@ -14,12 +14,12 @@ from collections.abc import Iterator
 import grpc
 import torch
 
-from kvd import wire
-from kvd.auth import BearerToken
-from kvd.identity import ModelIdentity
-from kvd.layout import CacheLayout
-from kvd.memory import map_kv_cache
-from kvd.process_identity import ProcessIdentity
+from kvd.common import wire
+from kvd.common.auth import BearerToken
+from kvd.common.identity import ModelIdentity
+from kvd.common.layout import CacheLayout
+from kvd.common.memory import map_kv_cache
+from kvd.common.process_identity import ProcessIdentity
 from kvd_api.daemon.v1 import daemon_pb2 as pb
 from kvd_api.daemon.v1 import daemon_pb2_grpc as pb_grpc
 
@@ -34,7 +34,7 @@ class DaemonClient:
     @classmethod
     def connect(cls, address: str, timeout_s: float = 10.0, token: str | None = None) -> DaemonClient:
         """Connects to ``unix:PATH`` or ``HOST:PORT`` (``token``: what its TCP
-        listener needs, see ``kvd.auth``); waits until it answers."""
+        listener needs, see ``kvd.common.auth``); waits until it answers."""
         channel = grpc.insecure_channel(address)
         try:
             grpc.channel_ready_future(channel).result(timeout=timeout_s)
@@ -51,7 +51,7 @@ class DaemonClient:
         model: ModelIdentity | None = None,
     ) -> DaemonSession:
         """Opens a session; ``layout`` is the model's (its block size is the
-        daemon's to choose), ``model`` names it (kvd.identity).
+        daemon's to choose), ``model`` names it (kvd.common.identity).
 
         Raises:
             grpc.RpcError: FAILED_PRECONDITION when the daemon's cache has another
