@@ -14,7 +14,7 @@ COMPOSE_VENV := $(VENV)/compose
 # drives podman with it.
 COMPOSE_SPEC ?= docker-compose==1.29.2 'docker>=6.1,<7' 'requests<2.32'
 
-.PHONY: setup test test-long lint protos check-protos docs serve bench clean
+.PHONY: setup test test-fast test-long lint protos check-protos docs serve bench clean
 
 setup: $(STAMP)
 
@@ -40,6 +40,12 @@ $(STAMP): pyproject.toml
 test: setup
 	$(BIN)/ruff check .
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The unit tests that need neither the real model nor Triton (tests/conftest.py's
+# --fast): the minute of feedback to run while working.
+test-fast: setup
+	$(BIN)/ruff check .
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest --fast tests/unit $(PYTEST_ARGS)
 
 # The whole suite and the tests marked long (soaks, overlapping churn variants).
 test-long: setup

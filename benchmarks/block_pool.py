@@ -43,9 +43,9 @@ import argparse
 import dataclasses
 import gc
 import sys
-import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import block_pool_steps as steps
@@ -182,9 +182,7 @@ def summarize(runs: list[Run], requests: int) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", required=True, help="write the results here")
-    p.add_argument("--quick", action="store_true", help="1/10 of the requests (about a minute)")
+    p = harness.parser(__doc__, quick_help="1/10 of the requests (about a minute)")
     p.add_argument("--plot", help="also write a PNG bar chart of requests/s (needs matplotlib)")
     p.add_argument("--repeats", type=int, help="turns per workload (default 5)")
     p.add_argument("--seed", type=int, default=0)
@@ -194,11 +192,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "/tmp/vllmvenv makes one): adds vllm_inprocess and the paired ratios against it",
     )
     return p.parse_args(argv)
-
-
-def turn_order(variants: list[str], turn: int) -> list[str]:
-    """Every other turn runs the variants in reverse: none always goes first or after the same one."""
-    return variants if turn % 2 == 0 else variants[::-1]
 
 
 def run_workloads(
@@ -252,7 +245,7 @@ def run_turns(
     }
     runs: dict[str, list[Run]] = {v: [] for v in variants}
     for turn in range(repeats):
-        for variant in turn_order(variants, turn):
+        for variant in harness.turn_order(variants, turn):
             gc.collect()
             runs[variant].append(passes[variant](f"{w.name} {turn + 1}/{repeats} {variant}"))
     return runs
@@ -266,25 +259,25 @@ class Daemon:
             "--metrics-port", "0", *LAYOUT_FLAGS, "--num-blocks", str(num_blocks),
             "--block-size", str(BLOCK_SIZE), "--device", "cpu", "--log-level", "warning",
         ]  # fmt: skip
-        self.process = harness.KvdProcess(workdir, flags, name=name).start()
+        self.daemon = harness.DaemonProcess(workdir, flags, name=name).start()
         self.num_blocks = num_blocks
         try:
-            self.client = DaemonClient.connect(self.process.address)
+            self.client = DaemonClient.connect(self.daemon.address)
         except BaseException:
-            self.process.stop()
+            self.daemon.stop()
             raise
 
     def cpu_s(self) -> float:
-        assert self.process.proc is not None
-        return harness.process_cpu_s(self.process.proc.pid)
+        assert self.daemon.process is not None
+        return harness.process_cpu_s(self.daemon.process.pid)
 
     def describe(self, workdir: str, workload: str) -> dict[str, Any]:
-        command = " ".join(self.process.command).replace(workdir, "<tmpdir>")
-        return {"workloads": [workload], "command": command, "startup_s": round(self.process.startup_s, 2)}
+        command = " ".join(self.daemon.command).replace(workdir, "<tmpdir>")
+        return {"workloads": [workload], "command": command, "startup_s": round(self.daemon.startup_s, 2)}
 
     def close(self) -> None:
         self.client.close()
-        self.process.stop()
+        self.daemon.stop()
 
 
 # ------------------------------------------------------------------ decode
@@ -358,7 +351,7 @@ def run_waiting(args, num_steps: int, repeats: int, workdir: str, daemons: list)
     rpc: list[waiting.WaitingRun] = []
     try:
         for turn in range(repeats):
-            for variant in turn_order(["inprocess", "rpc"], turn):
+            for variant in harness.turn_order(["inprocess", "rpc"], turn):
                 gc.collect()
                 progress = harness.Progress(f"waiting {turn + 1}/{repeats} {variant}", 1)
                 if variant == "inprocess":
@@ -469,7 +462,9 @@ def build_ratios(results: dict[str, Any], paired: dict[str, dict[str, Any]]) -> 
     return ratios
 
 
-def print_table(results: dict[str, Any], ratios: dict[str, float | None], variants: list[str]) -> None:
+def table(report: dict[str, Any]) -> str:
+    results, ratios = report["results"], report["ratios"]
+    variants = [v for v in (*KVD_VARIANTS, VLLM) if v in results]
     rows = []
     for name in results["kvd_inprocess"]:
         for variant in variants:
@@ -479,13 +474,9 @@ def print_table(results: dict[str, Any], ratios: dict[str, float | None], varian
                 [name, variant, r["requests_per_s"], r["cpu_requests_per_s"], r["token_hit_rate"], r["evictions"], us]
             )
     headers = ["workload", "variant", "req/s", "req/cpu-s", "hit rate", "evictions", "median us/request (step)"]
-    print(harness.format_table(headers, rows))
-    print()
     decode_rows = [
         [k, results[k]["p50_ms"], results[k]["p99_ms"]] for k in ("step_rpc_64", "step_inprocess_64", "grpc_empty_rtt")
     ]
-    print(harness.format_table(["decode step, 64 running", "p50 ms", "p99 ms"], decode_rows))
-    print()
     waiting_rows = [
         [
             v,
@@ -497,10 +488,13 @@ def print_table(results: dict[str, Any], ratios: dict[str, float | None], varian
         ]
         for v, r in ((v, results[v]["waiting"]) for v in ("kvd_rpc", "kvd_inprocess_step"))
     ]
-    headers = ["waiting (256 x 8000)", "p50 ms", "p99 ms", "daemon cpu ms", "bytes/step", "hashes/step"]
-    print(harness.format_table(headers, waiting_rows))
-    print()
-    print(harness.format_table(["ratio", "value"], sorted(ratios.items())))
+    waiting_headers = ["waiting (256 x 8000)", "p50 ms", "p99 ms", "daemon cpu ms", "bytes/step", "hashes/step"]
+    return "\n\n".join([
+        harness.format_table(headers, rows),
+        harness.format_table(["decode step, 64 running", "p50 ms", "p99 ms"], decode_rows),
+        harness.format_table(waiting_headers, waiting_rows),
+        harness.format_table(["ratio", "value"], sorted(ratios.items())),
+    ])  # fmt: skip
 
 
 def consistency_checks(results: dict[str, Any], variants: list[str]) -> dict[str, bool]:
@@ -518,26 +512,32 @@ def consistency_checks(results: dict[str, Any], variants: list[str]) -> dict[str
     return checks
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """The workloads, the decode step and the waiting requests, each on daemons of its own in ``workdir``."""
+    started = time.perf_counter()
     scale = 10 if args.quick else 1
     repeats = args.repeats or 5
     sizes = {"cold": 1000 // scale, "hot": 1000 // scale, "evict": 1500 // scale}
     decode_n = 100 if args.quick else 500
     waiting_steps, waiting_repeats = (40, 2) if args.quick else (200, 3)
-    started = time.perf_counter()
     daemons: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="kvd-bench-") as workdir:
-        vllm = VllmWorker(args.vllm_python, f"{workdir}/vllm-worker.log") if args.vllm_python else None
-        if vllm is None:
-            harness.log("vllm_inprocess skipped: no --vllm-python given (no ratios against vLLM)")
-        try:
-            work = run_workloads(args, sizes, repeats, workdir, daemons, vllm)
-        finally:
-            if vllm is not None:
-                vllm.close()
-        decode = run_decode(args, decode_n, workdir, daemons)
-        wait = run_waiting(args, waiting_steps, waiting_repeats, workdir, daemons)
+    folder = str(workdir)
+    vllm = VllmWorker(args.vllm_python, f"{folder}/vllm-worker.log") if args.vllm_python else None
+    if vllm is None:
+        harness.log("vllm_inprocess skipped: no --vllm-python given (no ratios against vLLM)")
+    try:
+        work = run_workloads(args, sizes, repeats, folder, daemons, vllm)
+    finally:
+        if vllm is not None:
+            vllm.close()
+    decode = run_decode(args, decode_n, folder, daemons)
+    wait = run_waiting(args, waiting_steps, waiting_repeats, folder, daemons)
+    return {"work": work, "decode": decode, "wait": wait, "daemons": daemons, "repeats": repeats,
+            "vllm": vllm.info if vllm else "not run (no --vllm-python)", "started": started}  # fmt: skip
+
+
+def report(args: argparse.Namespace, measured: dict[str, Any]) -> dict[str, Any]:
+    work, decode, wait = measured["work"], measured["decode"], measured["wait"]
     results = work["results"]
     variants = list(results)
     for key in ("step_rpc_64", "step_inprocess_64", "grpc_empty_rtt"):
@@ -549,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     ratios = build_ratios(results, paired)
     checks = consistency_checks({v: results[v] for v in variants}, variants)
     checks["waiting_same_steps_inprocess_and_rpc"] = wait["same_steps"]
-    report = {
+    return {
         "benchmark": "block_pool",
         "quick": args.quick,
         "machine": harness.machine_info(),
@@ -560,34 +560,43 @@ def main(argv: list[str] | None = None) -> int:
             "vocab": VOCAB,
             "token_budget": TOKEN_BUDGET,
             "seed": args.seed,
-            "repeats": repeats,
+            "repeats": measured["repeats"],
             "lifecycle": "per request i, one step: commit request i-1's whole prompt, free request i-8, admit i",
             "lifecycle_batched": "per Step: commit and free the previous Step's admissions, offer the next 8",
             "turns": "each repeat is one turn of every variant; every other turn in reverse order",
             "timing": "us_per_request: median over repeats of the per-request median (mean in us_per_request_mean)",
             "gc": "enabled; the workload's prompts are gc.freeze()d so collections scan only kvd's objects",
-            "vllm": vllm.info if vllm else "not run (no --vllm-python)",
+            "vllm": measured["vllm"],
             **work["params"],
             "step_rpc_64": decode["params"],
             "waiting": wait["params"],
-            "daemons": daemons,
+            "daemons": measured["daemons"],
         },
         "results": harness.rounded(results),
         "ratios": harness.rounded(ratios),
         "checks": checks,
-        "total_s": round(time.perf_counter() - started, 1),
+        "total_s": round(time.perf_counter() - measured["started"], 1),
     }
-    harness.write_json(args.json, report)
-    print_table(results, ratios, variants)
+
+
+def verdict(args: argparse.Namespace, report: dict[str, Any]) -> int:
+    """0, after a warning for a failed consistency check and the plot, if asked for."""
+    checks, results = report["checks"], report["results"]
     if not all(checks.values()):
         harness.log(f"WARNING: consistency checks failed: {checks}")
     if args.plot:
         groups = list(results["kvd_inprocess"])
+        variants = [v for v in (*KVD_VARIANTS, VLLM) if v in results]
         series = {v: [results[v][g]["requests_per_s"] for g in groups] for v in variants}
         if harness.bar_chart(args.plot, groups, series, "requests/s", "block pool: requests/s"):
             harness.log(f"plot written to {args.plot}")
     harness.log(f"results written to {args.json} in {report['total_s']}s")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    return harness.main(args, measure=measure, report=report, table=table, verdict=lambda report: verdict(args, report))
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ class Shape:
     prompt_tokens: int = 8000
     pool_requests: int = 16  # the pool holds this many whole requests
     max_new_tokens: int = 64
-    max_num_seqs: int = 64  # the engine's default (inference/engine.py EngineConfig)
+    max_num_seqs: int = 64  # the engine's default (kvd/common/defaults.py MAX_NUM_SEQS)
     token_budget: int = 8192  # one whole prompt per Step, so the pool fills in ~16 Steps
     warmup_steps: int = 24
 
@@ -145,7 +145,7 @@ def run(
             out.arrival_steps += 1
         out.waiting.append(reply.num_waiting)
         admitted = sum(1 for r in reply.scheduled.request_ids if not table.seqs[r].block_table)
-        work, _released = table.apply(reply)
+        work = table.apply_step_reply(reply).work
         out.trace.append((len(reply.scheduled.request_ids), admitted, len(reply.preempted), reply.num_free_blocks))
         _read_results(table, in_flight, rng)
         in_flight = [w for w in work if not w.seq.is_finished]

@@ -37,9 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import shutil
 import signal
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -59,16 +57,20 @@ WHOLE_TIMEOUT_S = 300.0
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", required=True, help="write the results here")
-    p.add_argument("--quick", action="store_true", help="short calms, fewer prompts (the suite's variant)")
+    p = harness.parser(__doc__, quick_help="short calms, fewer prompts (the suite's variant)")
     p.add_argument("--calm-s", type=float, help="seconds of load before each fault (30; quick 4)")
     p.add_argument("--prompts", type=int, help="distinct prompts, each sent plain and templated (12; quick 4)")
     p.add_argument("--grpc-clients", type=int, default=2)
     p.add_argument("--http-clients", type=int, default=1)
     p.add_argument("--faults", default=",".join(FAULTS), help="a comma-separated subset, in the schedule's order")
     p.add_argument("--model", default="smollm2")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.calm_s = args.calm_s if args.calm_s is not None else (4.0 if args.quick else 30.0)
+    args.prompts = args.prompts or (4 if args.quick else 12)
+    args.faults = [f for f in args.faults.split(",") if f]
+    if unknown := set(args.faults) - set(FAULTS):
+        raise SystemExit(f"unknown faults: {sorted(unknown)} (known: {', '.join(FAULTS)})")
+    return args
 
 
 class ChaosStack:
@@ -78,7 +80,7 @@ class ChaosStack:
         self.folder = folder
         self.redis_port = harness.free_port()
         self.redis = None
-        self.daemon = harness.KvdProcess(folder, [
+        self.daemon = harness.DaemonProcess(folder, [
             "--block-size", str(BLOCK_SIZE), "--num-blocks", str(num_blocks), "--host-num-blocks", str(num_blocks * 2),
             "--disk-path", str(folder / "disk"), "--lease-s", "2", "--metrics-port", "0", "--log-level", "warning",
         ])  # fmt: skip
@@ -142,9 +144,7 @@ class ChaosStack:
 
 def killed(child: harness.ChildProcess) -> None:
     """SIGKILLs a harness child (then ends its process group), leaving it ready to start again."""
-    proc, child.proc = child.proc, None
-    if proc is not None:
-        stop_process(proc, signal.SIGKILL)
+    child.stop(signal.SIGKILL)
 
 
 def engine_kill(stack: ChaosStack) -> None:
@@ -154,7 +154,6 @@ def engine_kill(stack: ChaosStack) -> None:
 
 def daemon_kill(stack: ChaosStack) -> None:
     killed(stack.daemon)
-    Path(stack.daemon.socket).unlink(missing_ok=True)  # else its start would find the old socket
     stack.daemon.start()
 
 
@@ -293,19 +292,13 @@ def summarize(attempts: list[Attempt]) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    args.calm_s = args.calm_s if args.calm_s is not None else (4.0 if args.quick else 30.0)
-    args.prompts = args.prompts or (4 if args.quick else 12)
-    faults = [f for f in args.faults.split(",") if f]
-    if unknown := set(faults) - set(FAULTS):
-        raise SystemExit(f"unknown faults: {sorted(unknown)} (known: {', '.join(FAULTS)})")
+def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+    """The schedule's faults one after another under load, then the daemon settled."""
     model = args.model
     if model == "smollm2":
         from inference import model_store
 
         model = str(model_store.resolve_model("smollm2", model_store.default_cache_dir()))
-    folder = Path(tempfile.mkdtemp(prefix="kvd-chaos-", dir="/tmp"))
     # A device pool of a few prompts' blocks: the others move to the host tier and disk.
     stack = ChaosStack(folder, model, num_blocks=48 if args.quick else 96)
     started = time.monotonic()
@@ -320,16 +313,20 @@ def main(argv: list[str] | None = None) -> int:
                     args.grpc_clients, args.http_clients)  # fmt: skip
         load.start()
         try:
-            results = {name: run_fault(stack, load, name, args.calm_s) for name in faults}
+            results = {name: run_fault(stack, load, name, args.calm_s) for name in args.faults}
         finally:
             load.stop()
         after = settled(stack, timeout_s=120)
     finally:
         with contextlib.suppress(Exception):
             stack.stop()
-        shutil.rmtree(folder, ignore_errors=True)
-    total = summarize(load.attempts)
-    lengths = [len(p.ids) for p in prompts]
+    return {"model": model, "prompt_lengths": [len(p.ids) for p in prompts], "faults": results, "after": after,
+            "all": summarize(load.attempts), "run_s": round(time.monotonic() - started, 1)}  # fmt: skip
+
+
+def report(args: argparse.Namespace, measured: dict[str, Any]) -> dict[str, Any]:
+    results, after, total = measured["faults"], measured["after"], measured["all"]
+    lengths = measured["prompt_lengths"]
     after["corrupt_blocks_served"] = total["corrupt_blocks_served"]
     after["requests_with_disk_tokens"] = total["requests_with_disk_tokens"]
     ratios = {
@@ -338,29 +335,40 @@ def main(argv: list[str] | None = None) -> int:
         "worst_recovery_s": max((r["recovery_s"] for r in results.values()), default=None),
     }
     workload = {
-        "faults": faults,
+        "faults": args.faults,
         "calm_s": args.calm_s,
         "prompts": f"{args.prompts} token prompts of {min(lengths)}-{max(lengths)} tokens, each plain and templated",
         "clients": {"grpc_streaming": args.grpc_clients, "http_streaming": args.http_clients},
         "new_tokens": NEW_TOKENS,
         "engines": "2 on one daemon, float64 (exact against transformers' generate in float64)",
         "daemon": "device and host tiers (host: twice the device pool) and a disk tier; lease 2 s",
-        "model": model,
-        "run_s": round(time.monotonic() - started, 1),
+        "model": measured["model"],
+        "run_s": measured["run_s"],
         "documented_statuses": sorted(DOCUMENTED),
     }
-    report = harness.stack_report("chaos", args.quick, workload,
-                                  harness.rounded({"faults": results, "after": after, "all": total}),
-                                  harness.rounded(ratios))  # fmt: skip
-    harness.write_json(args.json, report)
+    return harness.stack_report("chaos", args.quick, workload,
+                                harness.rounded({"faults": results, "after": after, "all": total}),
+                                harness.rounded(ratios))  # fmt: skip
+
+
+def table(report: dict[str, Any], json_path: str) -> str:
+    results, after = report["results"]["faults"], report["results"]["after"]
     rows = [[name, r["in_flight"], r["ok"], r["failed_by_status"] or "-", r["recovery_s"], r["restart_s"],
              r["wrong_tokens"]] for name, r in results.items()]  # fmt: skip
     headers = ["fault", "in flight", "ok", "failed", "recovery s", "whole again s", "wrong tokens"]
-    print(harness.format_table(headers, harness.rounded(rows, 2)))
-    print(harness.format_table(["after", "value"], [[k, v] for k, v in after.items()]))
-    print(harness.format_table(["ratio", "value"], [[k, v] for k, v in harness.rounded(ratios, 2).items()]))
-    print(f"results written to {args.json}")
-    return 0
+    return "\n".join([
+        harness.format_table(headers, harness.rounded(rows, 2)),
+        harness.format_table(["after", "value"], [[k, v] for k, v in after.items()]),
+        harness.format_table(["ratio", "value"], [[k, v] for k, v in harness.rounded(report["ratios"], 2).items()]),
+        f"results written to {json_path}",
+    ])  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    return harness.main(
+        args, measure=run, report=report, table=lambda report: table(report, args.json), workdir_prefix="kvd-chaos-"
+    )
 
 
 if __name__ == "__main__":

@@ -36,11 +36,11 @@ variants in e2e_engines.py, and what all benchmarks share in harness/.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import shutil
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -54,9 +54,10 @@ import harness  # noqa: E402
 import torch  # noqa: E402
 from e2e_engines import EngineVariant  # noqa: E402
 from e2e_hf import run_hf_continuous_batching, run_hf_generate  # noqa: E402
-from e2e_workload import BLOCK_SIZE, METRICS, TOKEN_BUDGET, Run, build_workload, combine_rounds  # noqa: E402
+from e2e_workload import BLOCK_SIZE, METRICS, Run, Workload, build_workload, combine_rounds  # noqa: E402
 
 from inference import model_store  # noqa: E402
+from kvd.common.defaults import TOKEN_BUDGET  # noqa: E402
 
 VARIANTS = ("hf_generate", "hf_continuous_batching", "kvd_no_cache", "kvd")
 ENGINE_VARIANTS = ("kvd_no_cache", "kvd")
@@ -162,7 +163,8 @@ def check_targets(ratios: dict[str, float | None]) -> dict[str, Any]:
     return out
 
 
-def print_report(results: dict[str, Any], ratios: dict[str, float | None], targets: dict[str, Any]) -> None:
+def table(report: dict[str, Any]) -> str:
+    results, ratios, targets = report["results"], report["ratios"], report["targets"]
     rows = []
     for v in VARIANTS:
         r = results.get(v)
@@ -185,34 +187,32 @@ def print_report(results: dict[str, Any], ratios: dict[str, float | None], targe
             ]
         )
     headers = ["variant", "total s", "out tok/s", "TTFT mean s", "TTFT p90 s", "cached", "same as hf_generate", ""]
-    print(harness.format_table(headers, rows))
-    print()
+    lines = [harness.format_table(headers, rows), ""]
     wc = results.get("warm_cold") or {}
     if "error" in wc:
-        print(f"warm/cold: ERROR: {wc['error'].splitlines()[0]}")
+        lines.append(f"warm/cold: ERROR: {wc['error'].splitlines()[0]}")
     elif wc:
-        print(
+        lines.append(
             harness.format_table(
                 ["warm/cold", "prefix tokens", "TTFT cold s", "TTFT warm s", "repeats"],
                 [["kvd", wc["prefix_tokens"], wc["ttft_cold_s"], wc["ttft_warm_s"], wc["repeats"]]],
             )
         )
-    print()
+    lines.append("")
     rows = []
     for name, value in ratios.items():
         t = targets.get(name)
-        verdict = "" if t is None else f"target {t['target']}: " + {True: "met", False: "NOT met", None: "-"}[t["met"]]
-        rows.append([name, value, verdict])
-    print(harness.format_table(["ratio", "value", ""], rows))
+        met = "" if t is None else f"target {t['target']}: " + {True: "met", False: "NOT met", None: "-"}[t["met"]]
+        rows.append([name, value, met])
+    lines.append(harness.format_table(["ratio", "value", ""], rows))
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------- main
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", required=True, help="write the results here")
-    p.add_argument("--quick", action="store_true", help="4 requests, 200-token prefix, 8 new tokens (about a minute)")
+    p = harness.parser(__doc__, quick_help="4 requests, 200-token prefix, 8 new tokens (about a minute)")
     p.add_argument(
         "--workload",
         choices=sorted(WORKLOADS),
@@ -260,8 +260,28 @@ def variant_results(runs: list[Run], reference: Run | None, new_tokens: int) -> 
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+@dataclasses.dataclass
+class Measured:
+    """What a run has measured so far: the report is written from it after
+    every piece of work, and once more at the end."""
+
+    chosen: list[str]
+    dtype: str
+    sizes: dict[str, int]
+    model_path: Path
+    w: Workload
+    num_blocks: int
+    rounds: int
+    started: float
+    code: dict[str, Any] = dataclasses.field(default_factory=dict)
+    results: dict[str, Any] = dataclasses.field(default_factory=dict)  # the warm/cold figures, once measured
+    runs: dict[str, list[Run]] = dataclasses.field(default_factory=dict)
+    failed: dict[str, str] = dataclasses.field(default_factory=dict)
+    launched: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+
+def measure(args: argparse.Namespace, workdir: Path) -> Measured:
+    """hf_generate once, then the other variants round after round, then kvd's warm/cold."""
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     sizes = dict(QUICK if args.quick else WORKLOADS[args.workload])
     chosen = [v for v in VARIANTS if v in args.variants.split(",")]
@@ -279,124 +299,48 @@ def main(argv: list[str] | None = None) -> int:
     wc_blocks = -(-(sizes["warm_cold_prefix_tokens"] + sizes["warm_cold_suffix_tokens"] + 8) // BLOCK_SIZE)
     needed = len(w.prompts) * per_request_blocks + 2 * len(w.warm_cold) * wc_blocks + 16
     num_blocks = args.num_blocks or 256 * -(-(2 * needed) // 256)  # room for everything twice over: no eviction
-
-    rounds = args.rounds or (1 if args.quick else 3)
-    results: dict[str, Any] = {}
-    runs: dict[str, list[Run]] = {}
-    failed: dict[str, str] = {}
-    launched: list[dict[str, Any]] = []
+    m = Measured(chosen, dtype, sizes, model_path, w, num_blocks, args.rounds or (1 if args.quick else 3), started)
     model = None
     if "hf_generate" in chosen or "hf_continuous_batching" in chosen:
         model = model_store.load_model(model_path, getattr(torch, dtype), args.device)
-    workdir = tempfile.mkdtemp(prefix="kvd-e2e-", dir="/tmp")  # short: unix socket paths are limited
     engines = {
         v: EngineVariant(
-            v, model_path, num_blocks, v == "kvd", workdir, args.device, dtype, args.token_budget, args.max_num_seqs
+            v, model_path, num_blocks, v == "kvd", str(workdir), args.device, dtype, args.token_budget,
+            args.max_num_seqs,
         )
         for v in chosen
         if v in ENGINE_VARIANTS
-    }
+    }  # fmt: skip
 
     def attempt(variant: str, work) -> Any:
         """Runs one piece of a variant's work; a failure is reported, the others
         go on. The JSON is rewritten after each piece (a run cut short keeps them)."""
-        if variant in failed:
+        if variant in m.failed:
             return None
         try:
             return work()
         except Exception as exc:
             harness.log(f"{variant} FAILED:\n{traceback.format_exc()}")
             logs = engines[variant].logs() if variant in engines else ""
-            failed[variant] = f"{type(exc).__name__}: {exc}\n{logs}".strip()
+            m.failed[variant] = f"{type(exc).__name__}: {exc}\n{logs}".strip()
             return None
         finally:
-            harness.write_json(args.json, report(complete=False))
+            harness.write_json(args.json, report(args, m, complete=False))
 
-    def report(complete: bool) -> dict[str, Any]:
-        """The JSON of what has run so far (each variant's rounds to date)."""
-        measured = dict(results)  # the warm/cold figures, once measured
-        reference = (runs.get("hf_generate") or [None])[0]
-        for variant in chosen:
-            if variant in failed:
-                measured[variant] = {**dict.fromkeys(METRICS), "error": failed[variant]}
-            elif runs.get(variant):
-                measured[variant] = variant_results(runs[variant], reference, sizes["new_tokens"])
-        if "kvd" in failed:
-            measured["warm_cold"] = {"ttft_cold_s": None, "ttft_warm_s": None, "error": "the kvd variant failed"}
-        ratios = build_ratios(measured)
-        hf_cb_params = {
-            "api": "model.init_continuous_batching + warmup + start + add_requests (what generate_batch runs)",
-            "page_size": BLOCK_SIZE,
-            "num_blocks": num_blocks,
-            "max_batch_tokens": args.token_budget,
-            "allow_block_sharing": True,
-            "attn_implementation": (measured.get("hf_continuous_batching") or {}).get("attn_implementation"),
-        }
-        return {
-            "benchmark": "e2e",
-            "quick": args.quick,
-            "complete": complete,
-            "machine": {
-                **harness.machine_info(),
-                "torch_threads": torch.get_num_threads(),
-                "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-                **({"gpu": torch.cuda.get_device_name()} if args.device.startswith("cuda") else {}),
-            },
-            "code": code,
-            "workload": {
-                **w.params,
-                "model": args.model,
-                "model_path": str(model_path),
-                "dtype": dtype,
-                "device": args.device,
-                "transformers": transformers.__version__,
-                "greedy": True,
-                "eos": "disabled (eos_token_id=None / ignore_eos)",
-                "variants": chosen,
-                "block_size": BLOCK_SIZE,
-                "kvd_num_blocks": num_blocks,
-                "kvd_token_budget": args.token_budget,
-                "kvd_max_num_seqs": args.max_num_seqs,
-                "workload": "quick" if args.quick else args.workload,
-                "kvd_no_cache": "engine --no-prefix-caching (every request gets a cache salt of its own)",
-                "hf_continuous_batching": hf_cb_params,
-                "hf_generate": "model.generate per request, in order; attention_mask all ones, min/max_new_tokens",
-                "submission": "all requests at t = 0 (engines: one client thread per request, released together)",
-                "timing": {
-                    "total_s": "t = 0 to the last request's last token (as the client received it)",
-                    "ttft": "t = 0 to the first new token: hf_generate: a streamer's put() right after the first "
-                    "token is sampled (so request i waits for 0..i-1); hf_continuous_batching: the manager's "
-                    "per-token timestamp (record_timestamps); engines: first streamed gRPC message with tokens",
-                    "warm_cold": "one request at a time on the idle kvd engine; TTFT from its submission; medians",
-                },
-                "warmup": "one short request per variant, not timed, sharing no prefix with the workload",
-                "rounds": rounds,
-                "rounds_order": "hf_generate once; then per round hf_continuous_batching, kvd_no_cache, kvd in "
-                "turn (engines stay up; each round its own cache salt, so it starts cold); reported metrics are "
-                "medians over rounds",
-                "engines": launched,
-            },
-            "results": harness.rounded(measured),
-            "ratios": harness.rounded(ratios),
-            "ratios_per_round": harness.rounded(paired_ratios(measured)),
-            "targets": harness.rounded(check_targets(ratios)),
-            "total_s": round(time.perf_counter() - started, 1),
-        }
-
-    code = harness.source_digest(
+    m.code = harness.source_digest(
         ("kvd/**/*.py", "inference/**/*.py", "protos/**/*.proto", "benchmarks/e2e*.py", "benchmarks/harness/*.py")
     )
     try:
         if "hf_generate" in chosen:  # the reference outputs; once (the slowest, and in no target)
             run = attempt("hf_generate", lambda: run_hf_generate(model, w, sizes["new_tokens"]))
-            runs["hf_generate"] = [run] if run is not None else []
+            m.runs["hf_generate"] = [run] if run is not None else []
         for variant, engine in engines.items():
             info = attempt(variant, lambda engine=engine: engine.start(w.warmup))
             if info is not None:
-                launched.append(info)
+                m.launched.append(info)
         # The variants in targets take turns, round after round, so a slow
         # spell of this shared machine falls on all of them alike.
-        for r in range(rounds):
+        for r in range(m.rounds):
             for variant in chosen:
                 if variant == "hf_generate":
                     continue
@@ -408,27 +352,102 @@ def main(argv: list[str] | None = None) -> int:
                     work = lambda engine=engines[variant], r=r: engine.run(w, sizes["new_tokens"], r)  # noqa: E731
                 run = attempt(variant, work)
                 if run is not None:
-                    runs.setdefault(variant, []).append(run)
+                    m.runs.setdefault(variant, []).append(run)
         if "kvd" in engines:
             warm_cold = attempt("kvd", lambda: engines["kvd"].warm_cold(w, sizes["warm_cold_new_tokens"]))
             if warm_cold is not None:
-                results["warm_cold"] = warm_cold
+                m.results["warm_cold"] = warm_cold
     finally:
         for engine in engines.values():
             engine.stop()
         if args.logs:
-            for log_file in Path(workdir).glob("*/*.log"):
+            for log_file in workdir.glob("*/*.log"):
                 target = Path(args.logs) / f"{log_file.parent.name}-{log_file.name}"
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(log_file, target)
-        shutil.rmtree(workdir, ignore_errors=True)
+    return m
 
-    final = report(complete=True)
-    harness.write_json(args.json, final)
-    results = final["results"]
-    print_report(results, final["ratios"], final["targets"])
-    if args.plot and runs.get("hf_generate"):
-        shown = [v for v in chosen if v not in failed]
+
+def report(args: argparse.Namespace, m: Measured, complete: bool = True) -> dict[str, Any]:
+    """The JSON of what has run so far (each variant's rounds to date)."""
+    import transformers
+
+    measured = dict(m.results)
+    reference = (m.runs.get("hf_generate") or [None])[0]
+    for variant in m.chosen:
+        if variant in m.failed:
+            measured[variant] = {**dict.fromkeys(METRICS), "error": m.failed[variant]}
+        elif m.runs.get(variant):
+            measured[variant] = variant_results(m.runs[variant], reference, m.sizes["new_tokens"])
+    if "kvd" in m.failed:
+        measured["warm_cold"] = {"ttft_cold_s": None, "ttft_warm_s": None, "error": "the kvd variant failed"}
+    ratios = build_ratios(measured)
+    hf_cb_params = {
+        "api": "model.init_continuous_batching + warmup + start + add_requests (what generate_batch runs)",
+        "page_size": BLOCK_SIZE,
+        "num_blocks": m.num_blocks,
+        "max_batch_tokens": args.token_budget,
+        "allow_block_sharing": True,
+        "attn_implementation": (measured.get("hf_continuous_batching") or {}).get("attn_implementation"),
+    }
+    return {
+        "benchmark": "e2e",
+        "quick": args.quick,
+        "complete": complete,
+        "machine": {
+            **harness.machine_info(),
+            "torch_threads": torch.get_num_threads(),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+            **({"gpu": torch.cuda.get_device_name()} if args.device.startswith("cuda") else {}),
+        },
+        "code": m.code,
+        "workload": {
+            **m.w.params,
+            "model": args.model,
+            "model_path": str(m.model_path),
+            "dtype": m.dtype,
+            "device": args.device,
+            "transformers": transformers.__version__,
+            "greedy": True,
+            "eos": "disabled (eos_token_id=None / ignore_eos)",
+            "variants": m.chosen,
+            "block_size": BLOCK_SIZE,
+            "kvd_num_blocks": m.num_blocks,
+            "kvd_token_budget": args.token_budget,
+            "kvd_max_num_seqs": args.max_num_seqs,
+            "workload": "quick" if args.quick else args.workload,
+            "kvd_no_cache": "engine --no-prefix-caching (every request gets a cache salt of its own)",
+            "hf_continuous_batching": hf_cb_params,
+            "hf_generate": "model.generate per request, in order; attention_mask all ones, min/max_new_tokens",
+            "submission": "all requests at t = 0 (engines: one client thread per request, released together)",
+            "timing": {
+                "total_s": "t = 0 to the last request's last token (as the client received it)",
+                "ttft": "t = 0 to the first new token: hf_generate: a streamer's put() right after the first "
+                "token is sampled (so request i waits for 0..i-1); hf_continuous_batching: the manager's "
+                "per-token timestamp (record_timestamps); engines: first streamed gRPC message with tokens",
+                "warm_cold": "one request at a time on the idle kvd engine; TTFT from its submission; medians",
+            },
+            "warmup": "one short request per variant, not timed, sharing no prefix with the workload",
+            "rounds": m.rounds,
+            "rounds_order": "hf_generate once; then per round hf_continuous_batching, kvd_no_cache, kvd in "
+            "turn (engines stay up; each round its own cache salt, so it starts cold); reported metrics are "
+            "medians over rounds",
+            "engines": m.launched,
+        },
+        "results": harness.rounded(measured),
+        "ratios": harness.rounded(ratios),
+        "ratios_per_round": harness.rounded(paired_ratios(measured)),
+        "targets": harness.rounded(check_targets(ratios)),
+        "total_s": round(time.perf_counter() - m.started, 1),
+    }
+
+
+def verdict(args: argparse.Namespace, report: dict[str, Any]) -> int:
+    """1 when a variant failed; the plot first, if asked for."""
+    results, chosen = report["results"], report["workload"]["variants"]
+    failed = [v for v in chosen if "error" in results.get(v, {})]
+    shown = [v for v in chosen if v not in failed]
+    if args.plot and "hf_generate" in shown:
         series = {
             "output tokens/s": [
                 results[v]["output_tokens_per_s"] / results["hf_generate"]["output_tokens_per_s"] for v in shown
@@ -439,8 +458,20 @@ def main(argv: list[str] | None = None) -> int:
             args.plot, shown, series, "x hf_generate", f"e2e shared-prefix workload ({args.model}, {args.device})"
         ):
             harness.log(f"plot written to {args.plot}")
-    harness.log(f"results written to {args.json} in {final['total_s']}s")
+    harness.log(f"results written to {args.json} in {report['total_s']}s")
     return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    return harness.main(
+        args,
+        measure=measure,
+        report=report,
+        table=table,
+        verdict=lambda report: verdict(args, report),
+        workdir_prefix="kvd-e2e-",
+    )
 
 
 if __name__ == "__main__":

@@ -16,9 +16,10 @@ from typing import Any
 
 import grpc
 import harness
-from e2e_workload import BLOCK_SIZE, TOKEN_BUDGET, Run, Workload
+from e2e_workload import BLOCK_SIZE, Run, Workload
 from harness.streams import RPC_TIMEOUT_S, Stream, stream
 
+from kvd.common.defaults import TOKEN_BUDGET
 from kvd_api.engine.v1 import engine_pb2_grpc as pb_grpc
 
 
@@ -137,7 +138,7 @@ class EngineVariant:
         if not prefix_caching:
             engine_flags.append("--no-prefix-caching")
         self.workdir = workdir
-        self.daemon = harness.KvdProcess(folder, daemon_flags, name="kvd")
+        self.daemon = harness.DaemonProcess(folder, daemon_flags, name="kvd")
         self.engine = harness.EngineProcess(folder, self.daemon.address, engine_flags, name="engine")
         self.channel = None
         self.stub = None
@@ -165,7 +166,7 @@ class EngineVariant:
 
     def run(self, w: Workload, new_tokens: int, round_index: int) -> Run:
         run = run_concurrent(self.stub, self.name, w.prompts, new_tokens, f"e2e-round-{round_index}".encode())
-        if self.engine.proc is None or self.engine.proc.poll() is not None:
+        if self.engine.process is None or self.engine.process.poll() is not None:
             raise RuntimeError("the engine exited")
         return run
 

@@ -20,11 +20,6 @@ from harness.text import english_like, exact_tokens
 #: The headline metrics of a pass (medians over rounds in the JSON).
 METRICS = ("total_s", "output_tokens_per_s", "ttft_mean_s", "ttft_p90_s", "cached_token_ratio")
 BLOCK_SIZE = 16
-#: The engine's default --token-budget; transformers' continuous batching gets
-#: the same as its max_batch_tokens. Its default, 8192, puts every prompt in one
-#: forward whose attention mask is quadratic in it: 8 x 640-token prompts took
-#: 36.6 s instead of 5.7-7.9 s on this machine (256: 7.7 s, 1024: 10.1 s).
-TOKEN_BUDGET = 512
 
 INSTRUCTION = "Read the following report carefully, then answer the question that comes after it.\n\n"
 

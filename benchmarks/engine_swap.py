@@ -27,8 +27,6 @@ client's clock.
 from __future__ import annotations
 
 import argparse
-import shutil
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -44,16 +42,20 @@ NEW_TOKENS = 8
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", required=True, help="write the results here")
-    p.add_argument("--quick", action="store_true", help="10-second windows, 3 clients, 3 shorter documents")
+    p = harness.parser(__doc__, quick_help="10-second windows, 3 clients, 3 shorter documents")
     p.add_argument("--window-s", type=float, help="seconds measured before and after each event (30; quick 10)")
     p.add_argument("--clients", type=int, help="streaming clients (4; quick 3)")
     p.add_argument("--documents", type=int, help="shared documents (4; quick 3)")
     p.add_argument("--document-words", type=int, help="words per document (240; quick 160)")
     p.add_argument("--variants", default=",".join(VARIANTS), help="a comma-separated subset")
     p.add_argument("--model", default="smollm2")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.window_s = args.window_s or (10.0 if args.quick else 30.0)
+    args.clients = args.clients or (3 if args.quick else 4)
+    args.documents = args.documents or (3 if args.quick else 4)
+    args.document_words = args.document_words or (160 if args.quick else 240)
+    args.variants = [v for v in VARIANTS if v in args.variants.split(",")]
+    return args
 
 
 @dataclass
@@ -120,7 +122,7 @@ class Stack:
     def __init__(self, workdir: Path, model: str, engines: int) -> None:
         self.workdir = workdir
         self.model = model
-        self.daemon = harness.KvdProcess(workdir, ["--block-size", str(BLOCK_SIZE), "--num-blocks", "2048",
+        self.daemon = harness.DaemonProcess(workdir, ["--block-size", str(BLOCK_SIZE), "--num-blocks", "2048",
                                                   "--metrics-port", "0", "--log-level", "warning"])  # fmt: skip
         self.engines = [self._engine(i) for i in range(engines)]
         self.gateway = harness.GatewayProcess(
@@ -183,8 +185,7 @@ def summarize(samples: list[Sample]) -> dict[str, Any]:
     }
 
 
-def run_variant(name: str, args: argparse.Namespace, docs: list[str]) -> dict[str, Any]:
-    workdir = Path(tempfile.mkdtemp(prefix=f"kvd-swap-{name[:4]}-", dir="/tmp"))
+def run_variant(name: str, args: argparse.Namespace, docs: list[str], workdir: Path) -> dict[str, Any]:
     stack = Stack(workdir, args.model, engines=2 if name == "rolling_swap" else 1)
     try:
         stack.start()
@@ -208,7 +209,6 @@ def run_variant(name: str, args: argparse.Namespace, docs: list[str]) -> dict[st
         load.stop()
     finally:
         stack.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
     before, after = summarize(load.window(before_start, event_start)), summarize(load.window(after_start, end))
     failed = [s.status for s in load.window(before_start, end) if s.status != "OK"]
     return {
@@ -224,29 +224,30 @@ def run_variant(name: str, args: argparse.Namespace, docs: list[str]) -> dict[st
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    args.window_s = args.window_s or (10.0 if args.quick else 30.0)
-    args.clients = args.clients or (3 if args.quick else 4)
-    args.documents = args.documents or (3 if args.quick else 4)
-    args.document_words = args.document_words or (160 if args.quick else 240)
+def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """Each variant on a fresh stack in a folder of its own."""
     if args.model == "smollm2":
         from inference import model_store
 
         args.model = str(model_store.resolve_model("smollm2", model_store.default_cache_dir()))
     docs = documents(args.documents, args.document_words)
-    chosen = [v for v in VARIANTS if v in args.variants.split(",")]
     results = {}
-    for name in chosen:
+    for name in args.variants:
         harness.log(f"{name}: starting")
-        results[name] = run_variant(name, args, docs)
+        folder = workdir / name[:4]
+        folder.mkdir()
+        results[name] = run_variant(name, args, docs, folder)
+    return results
+
+
+def report(args: argparse.Namespace, results: dict[str, Any]) -> dict[str, Any]:
     ratios = {
         "rolling_swap_ttft_over_before": _over_before(results.get("rolling_swap")),
         "rolling_swap_failed_requests": results.get("rolling_swap", {}).get("failed_requests"),
         "engine_restart_ttft_over_before": _over_before(results.get("engine_restart")),
         "pair_restart_ttft_over_before": _over_before(results.get("pair_restart")),
     }
-    report = {
+    return {
         "benchmark": "engine_swap",
         "quick": args.quick,
         "machine": harness.machine_info(),
@@ -260,24 +261,34 @@ def main(argv: list[str] | None = None) -> int:
             "model": args.model,
             "dtype": "float32",
             "block_size": BLOCK_SIZE,
-            "variants": chosen,
+            "variants": args.variants,
             "ttft": "from the request's sending to its first token, by the client's clock",
             "failed_requests": "statuses other than OK from the first window's start to the second's end",
         },  # fmt: skip
         "results": harness.rounded(results),
         "ratios": harness.rounded(ratios),
     }
-    harness.write_json(args.json, report)
+
+
+def table(report: dict[str, Any], json_path: str) -> str:
     rows = [
         [name, r["ttft_before_mean_s"], r["ttft_after_mean_s"], r["cached_share_before"], r["cached_share_after"],
          r["failed_requests"]]
-        for name, r in results.items()
+        for name, r in report["results"].items()
     ]  # fmt: skip
     headers = ["variant", "ttft before", "ttft after", "cached before", "cached after", "failed"]
-    print(harness.format_table(headers, rows))
-    print(harness.format_table(["ratio", "value"], [[k, v] for k, v in ratios.items()]))
-    print(f"results written to {args.json}")
-    return 0
+    return "\n".join([
+        harness.format_table(headers, rows),
+        harness.format_table(["ratio", "value"], [[k, v] for k, v in report["ratios"].items()]),
+        f"results written to {json_path}",
+    ])  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    return harness.main(
+        args, measure=run, report=report, table=lambda report: table(report, args.json), workdir_prefix="kvd-swap-"
+    )
 
 
 def _over_before(result: dict[str, Any] | None) -> float | None:

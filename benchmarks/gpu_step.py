@@ -199,8 +199,8 @@ def time_steps(runner, chunks, steps: int) -> dict[str, float]:
 
 def time_capture(model) -> dict[str, float]:
     """The engine's capture at attach with its default settings."""
+    from inference.config import EngineConfig
     from inference.cuda_graphs import CudaGraphCapture, GraphPlan, capture_graphs
-    from inference.engine import EngineConfig
     from inference.model_runner import ModelRunner
 
     c = EngineConfig()
@@ -340,36 +340,47 @@ def build_ratios(results: dict[str, Any]) -> dict[str, float | None]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", required=True, help="where to write the results")
-    p.add_argument("--quick", action="store_true", help="batches 1 and 16 only, fewer steps")
-    args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("gpu_step.py measures the engine on a CUDA GPU and this machine has none: nothing measured, no JSON")
-        return 2
-    machine = {**harness.machine_info(), "gpu": torch.cuda.get_device_name()}
+def report(args: argparse.Namespace, results: dict[str, Any], complete: bool = True) -> dict[str, Any]:
     workload = {"model": "tests/gpu/random_llama.py (bfloat16)", "block_size": BLOCK, "batches": list(BATCHES),
                 "contexts": CONTEXTS, "backend": "triton"}  # fmt: skip
+    data = {"benchmark": "gpu_step", "quick": args.quick, "complete": complete,
+            "machine": {**harness.machine_info(), "gpu": torch.cuda.get_device_name()}, "workload": workload,
+            "results": results, "ratios": build_ratios(results)}  # fmt: skip
+    return harness.rounded(data)
 
-    def save(results: dict[str, Any], complete: bool = False) -> None:
-        data = {"benchmark": "gpu_step", "quick": args.quick, "complete": complete, "machine": machine,
-                "workload": workload, "results": results, "ratios": build_ratios(results)}  # fmt: skip
-        harness.write_json(args.json, harness.rounded(data))
 
-    results = run(args.quick, save)
-    save(results, complete=True)
+def table(report: dict[str, Any]) -> str:
+    results = report["results"]
     rows = [(name, r["mode"], r["gpu_step_s"] * 1e3, r["gpu_elapsed_step_s"] * 1e3, r["wall_step_s"] * 1e3,
              r["gpu_step_eager_s"] * 1e3, r["wall_step_eager_s"] * 1e3, r["floor_s"] * 1e3,
              r["blocking_syncs_per_step"]) for name, r in results["decode"].items()]  # fmt: skip
     headers = ["decode", "mode", "gpu ms", "elapsed ms", "wall ms", "eager gpu ms", "eager wall ms", "floor ms",
                "syncs"]  # fmt: skip
-    print(harness.format_table(headers, rows))
-    print(harness.format_table(["capture", "value"], list(results.get("capture", {}).items())))
-    print(harness.format_table(["ratio", "value"], list(build_ratios(results).items())))
-    for name, error in results["errors"].items():
-        print(f"{name} FAILED:\n{error}")
-    return 1 if results["errors"] else 0
+    lines = [
+        harness.format_table(headers, rows),
+        harness.format_table(["capture", "value"], list(results.get("capture", {}).items())),
+        harness.format_table(["ratio", "value"], list(report["ratios"].items())),
+    ]
+    lines += [f"{name} FAILED:\n{error}" for name, error in results["errors"].items()]
+    return "\n".join(lines)
+
+
+def measure_saving(args: argparse.Namespace, _folder: Path) -> dict[str, Any]:
+    """Every case; the JSON rewritten after each, so a run cut short keeps the cases it measured."""
+    return run(args.quick, lambda results: harness.write_json(args.json, report(args, results, complete=False)))
+
+
+def failed(report: dict[str, Any]) -> int:
+    """1 when a case failed."""
+    return 1 if report["results"]["errors"] else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = harness.parser(__doc__, quick_help="batches 1 and 16 only, fewer steps").parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_step.py measures the engine on a CUDA GPU and this machine has none: nothing measured, no JSON")
+        return 2
+    return harness.main(args, measure=measure_saving, report=report, table=table, verdict=failed)
 
 
 if __name__ == "__main__":

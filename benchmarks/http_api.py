@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import random
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -60,9 +59,7 @@ class Timed:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", required=True, help="write the results here")
-    p.add_argument("--quick", action="store_true", help="a small workload (about a minute)")
+    p = harness.parser(__doc__)
     p.add_argument("--concurrency", default="1,16,64", help="comma-separated client counts")
     p.add_argument("--requests-per-client", type=int, help="requests each client sends per round (default 2; quick 1)")
     p.add_argument("--min-requests", type=int, help="requests per variant and round at least (default 8; quick 4)")
@@ -182,7 +179,9 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     wall = {v: dict.fromkeys(levels, 0.0) for v in VARIANTS}
     cpu = {v: dict.fromkeys(levels, 0.0) for v in VARIANTS}
     with (
-        harness.KvdProcess(workdir, ["--block-size", "16", "--num-blocks", str(blocks), "--metrics-port", "0"]) as kvd,
+        harness.DaemonProcess(
+            workdir, ["--block-size", "16", "--num-blocks", str(blocks), "--metrics-port", "0"]
+        ) as kvd,
         harness.EngineProcess(workdir, kvd.address, ["--model", str(model_dir), "--max-num-seqs", str(most)]) as engine,
         harness.GatewayProcess(workdir, engine.address, http=True) as gateway,
     ):
@@ -194,17 +193,16 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         progress = harness.Progress("http_api: interleaved rounds", sum(batch_size.values()) * rounds * 2)
         for clients in levels:
             for r in range(rounds):
-                order = VARIANTS if r % 2 == 0 else tuple(reversed(VARIANTS))
-                for variant in order:
+                for variant in harness.turn_order(VARIANTS, r):
                     batch = [prompt() for _ in range(batch_size[clients])]
-                    cpu_before = harness.process_cpu_s(gateway.proc.pid)
+                    cpu_before = harness.process_cpu_s(gateway.process.pid)
                     start = time.perf_counter()
                     if variant == "grpc":
                         got = run_grpc(gateway.address, batch, new_tokens, clients)
                     else:
                         got = run_http(base_url, model, batch, new_tokens, clients)
                     wall[variant][clients] += time.perf_counter() - start
-                    cpu[variant][clients] += harness.process_cpu_s(gateway.proc.pid) - cpu_before
+                    cpu[variant][clients] += harness.process_cpu_s(gateway.process.pid) - cpu_before
                     timed[variant][clients] += got
                     progress.advance(len(batch))
         progress.done()
@@ -251,16 +249,25 @@ def table(results: dict[str, Any], ratios: dict[str, Any], levels: list[int]) ->
     return harness.format_table(headers, rows)
 
 
+def report(args: argparse.Namespace, measured: dict[str, Any]) -> dict[str, Any]:
+    workload, results, ratios = measured["workload"], measured["results"], measured["ratios"]
+    return harness.rounded(harness.stack_report("http_api", args.quick, workload, results, ratios))
+
+
+def errors(report: dict[str, Any]) -> int:
+    """1 when a request failed."""
+    return 1 if sum(by_level["errors"] for v in VARIANTS for by_level in report["results"][v].values()) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="kvd-bench-http-", dir="/tmp") as workdir:
-        measured = run(args, Path(workdir))
-    report = harness.stack_report("http_api", args.quick, measured["workload"], measured["results"], measured["ratios"])
-    report = harness.rounded(report)
-    harness.write_json(args.json, report)
-    print(table(report["results"], report["ratios"], measured["workload"]["concurrency"]))
-    errors = sum(report["results"][v][k]["errors"] for v in VARIANTS for k in report["results"][v])
-    return 1 if errors else 0
+    return harness.main(
+        parse_args(argv),
+        measure=run,
+        report=report,
+        table=lambda report: table(report["results"], report["ratios"], report["workload"]["concurrency"]),
+        verdict=errors,
+        workdir_prefix="kvd-bench-http-",
+    )
 
 
 if __name__ == "__main__":

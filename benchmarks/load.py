@@ -33,7 +33,6 @@ import json
 import random
 import secrets
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -49,9 +48,7 @@ EXPECTED = frozenset({"OK", "CANCELLED", "DEADLINE_EXCEEDED"})
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", required=True, help="write the results here")
-    p.add_argument("--quick", action="store_true", help="30 seconds, 16 clients")
+    p = harness.parser(__doc__, quick_help="30 seconds, 16 clients")
     p.add_argument("--duration-s", type=float, help="default 300; quick 30")
     p.add_argument("--clients", type=int, help="concurrent streaming clients (default 64; quick 16)")
     p.add_argument("--max-new-tokens", type=int, default=16, help="the most tokens a request asks for")
@@ -196,14 +193,14 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     engine_args = ["--model", str(model_dir), "--max-num-seqs", str(clients)]
     tally = Tally()
     with (
-        harness.KvdProcess(workdir, daemon_args) as kvd,
+        harness.DaemonProcess(workdir, daemon_args) as kvd,
         harness.EngineProcess(workdir, kvd.address, engine_args) as engine,
         harness.GatewayProcess(workdir, engine.address, ["--api-keys", str(keys_file)]) as gateway,
     ):
         for tenant, key in keys.items():
             with GatewayClient(gateway.address, api_key=key, timeout_s=300) as client:
                 client.create_template(f"{tenant}-bot", f"You are the assistant of {tenant}. " * 6)
-        pids = {"daemon": kvd.proc.pid, "engine": engine.proc.pid, "gateway": gateway.proc.pid}
+        pids = {"daemon": kvd.process.pid, "engine": engine.process.pid, "gateway": gateway.process.pid}
         stop = threading.Event()
         threads = [
             threading.Thread(target=client_loop, args=(n, gateway.address, keys, args, stop, tally), daemon=True)
@@ -267,15 +264,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.workdir:  # keeps the processes' logs
-        Path(args.workdir).mkdir(parents=True, exist_ok=True)
-        data = run(args, Path(args.workdir))
-    else:
-        with tempfile.TemporaryDirectory(prefix="kvd-load-", dir="/tmp") as workdir:
-            data = run(args, Path(workdir))
-    harness.write_json(args.json, data)
+def table(data: dict[str, Any]) -> str:
     soak = data["results"]["soak"]
     rows = [
         ["requests OK", soak["requests_ok"]],
@@ -287,10 +276,26 @@ def main(argv: list[str] | None = None) -> int:
         ["USS growth after warm-up", json.dumps(harness.rounded(soak["uss_growth_ratio"], 3))],
         ["RSS without the KV cache", json.dumps(harness.rounded(soak["rss_without_cache_growth_ratio"], 3))],
     ]
-    print(harness.format_table(["soak", "value"], rows))
+    return harness.format_table(["soak", "value"], rows)
+
+
+def unexpected_errors_or_leaks(data: dict[str, Any]) -> int:
+    """1 when a request failed with an undocumented status or a block stayed held."""
+    soak = data["results"]["soak"]
     held = soak["blocks_held_after"]
     leaked = held["device"] or held["device_copying"] or held["host_being_read"] or held["requests"]
     return 1 if soak["unexpected_errors"] or leaked else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return harness.main(
+        parse_args(argv),
+        measure=run,
+        report=lambda _args, data: data,
+        table=table,
+        verdict=unexpected_errors_or_leaks,
+        workdir_prefix="kvd-load-",
+    )
 
 
 if __name__ == "__main__":

@@ -41,7 +41,6 @@ import random
 import shutil
 import signal
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Sequence
@@ -60,12 +59,12 @@ from harness.text import english_like, exact_tokens  # noqa: E402
 
 from inference import model_store  # noqa: E402
 from kvd.common.client import DaemonClient  # noqa: E402
+from kvd.common.defaults import TOKEN_BUDGET  # noqa: E402
 from kvd_api.engine.v1 import engine_pb2_grpc as pb_grpc  # noqa: E402
 
 VARIANTS = ("no_cache", "device_only", "host_tier")
 METRICS = ("total_s", "ttft_round2_mean_s", "cached_token_ratio")
 BLOCK_SIZE = 16
-TOKEN_BUDGET = 512  # the engine's default, as e2e.py
 SHM_DIR = "/dev/shm"
 
 FULL = {"documents": 24, "document_tokens": 1000, "question_tokens": 32, "new_tokens": 16, "concurrency": 4}
@@ -128,7 +127,7 @@ class Stack:
         flags = ["--metrics-port", "0", "--block-size", str(BLOCK_SIZE), "--device", "cpu", *daemon_flags]
         engine = ["--model", str(model_path), "--dtype", "float32", "--device", "cpu"]
         engine += ["--token-budget", str(TOKEN_BUDGET), *engine_flags]
-        self.daemon = harness.KvdProcess(folder, flags, name="kvd")
+        self.daemon = harness.DaemonProcess(folder, flags, name="kvd")
         self.engine = harness.EngineProcess(folder, self.daemon.address, engine, name="engine")
         self.channel: grpc.Channel | None = None
         self.stub = None
@@ -154,8 +153,8 @@ class Stack:
                 with contextlib.suppress(Exception):
                     closer.close()
         if sig == signal.SIGKILL:
-            self.daemon.proc.send_signal(signal.SIGKILL)
-            self.daemon.proc.wait(10)
+            self.daemon.process.send_signal(signal.SIGKILL)
+            self.daemon.process.wait(10)
         self.engine.stop()
         self.daemon.stop()
 
@@ -279,9 +278,7 @@ def compare_outputs(variants: dict[str, Variant]) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", required=True, help="write the results here")
-    p.add_argument("--quick", action="store_true", help="6 documents x 128 tokens (about a minute)")
+    p = harness.parser(__doc__, quick_help="6 documents x 128 tokens (about a minute)")
     p.add_argument("--plot", help="also write a PNG bar chart (needs matplotlib)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default="smollm2", help="'smollm2' or a local Hugging Face folder")
@@ -297,12 +294,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.workload != "host":
-        import offload_disk
-
-        return offload_disk.main(args)
+def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """The three variants up at once, each in its folder of ``workdir``; two rounds, taking turns."""
     started = time.perf_counter()
     sizes = dict(QUICK if args.quick else FULL)
     if args.documents:
@@ -315,15 +308,12 @@ def main(argv: list[str] | None = None) -> int:
     n, conc = sizes["documents"], sizes["concurrency"]
     prompt_len = max(len(p) for p in w["rounds"][0] + w["rounds"][1])
     request_blocks = -(-(prompt_len + sizes["new_tokens"]) // BLOCK_SIZE)
-    doc_blocks = sizes["document_tokens"] // BLOCK_SIZE  # full blocks of a document alone
     # About a quarter of the documents, never fewer than the requests in flight need.
     num_blocks = max(-(-n // 4) * request_blocks, conc * request_blocks + 8)
     host_blocks = 2 * n * request_blocks + 64  # every block of both rounds: nothing is evicted
     warmup = tokenizer.encode("Warm-up: name three colours of the rainbow.", add_special_tokens=False)
 
-    workdir = Path(tempfile.mkdtemp(prefix="kvd-offload-", dir="/tmp"))  # short: unix socket paths are limited
     variants = {name: Variant(name, workdir / name, model_path, num_blocks, host_blocks) for name in VARIANTS}
-    results: dict[str, Any] = {}
     launched = []
     try:
         for name, v in variants.items():
@@ -368,8 +358,15 @@ def main(argv: list[str] | None = None) -> int:
                 target = Path(args.logs) / f"{log_file.parent.name}-{log_file.name}"
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(log_file, target)
-        shutil.rmtree(workdir, ignore_errors=True)
+    return {"started": started, "sizes": sizes, "model_path": model_path, "prompt_len": prompt_len,
+            "request_blocks": request_blocks, "num_blocks": num_blocks, "host_blocks": host_blocks,
+            "launched": launched, "variants": variants}  # fmt: skip
 
+
+def report(args: argparse.Namespace, measured: dict[str, Any]) -> dict[str, Any]:
+    variants, sizes = measured["variants"], measured["sizes"]
+    num_blocks, conc = measured["num_blocks"], sizes["concurrency"]
+    results: dict[str, Any] = {}
     for name, v in variants.items():
         results[name] = {**dict.fromkeys(METRICS), "error": v.error} if v.error else summarize(v)
     outputs = compare_outputs(variants)
@@ -391,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     value = ratios["host_over_device_only"]
     target = {"target": "<= 0.35", "value": value, "met": None if value is None else value <= 0.35}
     block_bytes = 30 * 2 * 3 * 64 * 4 * BLOCK_SIZE if args.model == "smollm2" else None
-    report = {
+    return {
         "benchmark": "offload",
         "quick": args.quick,
         "machine": {**harness.machine_info(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")},
@@ -409,12 +406,12 @@ def main(argv: list[str] | None = None) -> int:
             "seed": args.seed,
             "rng_seed": f"offload/{args.seed}",
             "model": args.model,
-            "model_path": str(model_path),
+            "model_path": str(measured["model_path"]),
             "dtype": "float32",
             "device": "cpu",
             "shm_dir": SHM_DIR,
-            "prompt_tokens": prompt_len,
-            "cacheable_tokens_per_prompt": doc_blocks * BLOCK_SIZE,
+            "prompt_tokens": measured["prompt_len"],
+            "cacheable_tokens_per_prompt": sizes["document_tokens"] // BLOCK_SIZE * BLOCK_SIZE,
             "text": "per document: 'Document k of N: a report on TOPIC.' + seeded English-like prose "
             "(harness.text.english_like), cut to document_tokens; per round and document a distinct seeded question, "
             "padded/cut to question_tokens (ending 'Answer:')",
@@ -428,8 +425,8 @@ def main(argv: list[str] | None = None) -> int:
             "block_size": BLOCK_SIZE,
             "block_bytes": block_bytes,
             "device_num_blocks": num_blocks,
-            "device_pool_documents": round(num_blocks / request_blocks, 2),
-            "host_num_blocks": host_blocks,
+            "device_pool_documents": round(num_blocks / measured["request_blocks"], 2),
+            "host_num_blocks": measured["host_blocks"],
             "token_budget": TOKEN_BUDGET,
             "greedy": True,
             "eos": "ignored (ignore_eos)",
@@ -445,33 +442,36 @@ def main(argv: list[str] | None = None) -> int:
             "scale": "the issue's 24 x 1,000-token documents; full run about 10 min on 2 cores"
             if not args.quick
             else "quick: 6 x 128-token documents",
-            "engines": launched,
+            "engines": measured["launched"],
         },
         "results": harness.rounded(results),
         "outputs_identical": outputs["outputs_identical"],
         "outputs": outputs,
         "ratios": harness.rounded(ratios),
         "targets": {"host_over_device_only": harness.rounded(target)},
-        "total_s": round(time.perf_counter() - started, 1),
+        "total_s": round(time.perf_counter() - measured["started"], 1),
     }
-    harness.write_json(args.json, report)
-    print_report(results, ratios, outputs, target)
+
+
+def verdict(args: argparse.Namespace, report: dict[str, Any]) -> int:
+    """1 when a variant failed; the plot first, if asked for."""
+    results, workload = report["results"], report["workload"]
     if args.plot:
         shown = [v for v in VARIANTS if not results[v].get("error")]
         series = {
             "round 2 total s": [results[v]["total_s"] for v in shown],
             "round 2 mean TTFT s": [results[v]["ttft_round2_mean_s"] for v in shown],
         }
-        if harness.bar_chart(
-            args.plot, shown, series, "seconds", f"offload: {n} docs x {sizes['document_tokens']} tok"
-        ):
+        title = f"offload: {workload['documents']} docs x {workload['document_tokens']} tok"
+        if harness.bar_chart(args.plot, shown, series, "seconds", title):
             harness.log(f"plot written to {args.plot}")
     harness.log(f"results written to {args.json} in {report['total_s']}s")
     failed = [v for v in VARIANTS if results[v].get("error")]
     return 1 if failed else 0
 
 
-def print_report(results: dict[str, Any], ratios: dict[str, Any], outputs: dict[str, Any], target: dict) -> None:
+def table(report: dict[str, Any]) -> str:
+    results, ratios, target = report["results"], report["ratios"], report["targets"]["host_over_device_only"]
     rows = []
     for name in VARIANTS:
         r = results[name]
@@ -491,18 +491,34 @@ def print_report(results: dict[str, Any], ratios: dict[str, Any], outputs: dict[
             ]
         )
     headers = ["variant", "round 1 s", "round 2 s", "TTFT r2 mean s", "cached r2", "host hit tok", "evictions", ""]
-    print(harness.format_table(headers, rows))
-    print()
-    verdict = {True: "met", False: "NOT met", None: "-"}[target["met"]]
-    rows = [[k, v, f"target <= 0.35: {verdict}" if k == "host_over_device_only" else ""] for k, v in ratios.items()]
-    print(harness.format_table(["ratio", "value", ""], rows))
-    print(f"greedy outputs identical across variants: {outputs['outputs_identical']}")
+    lines = [harness.format_table(headers, rows), ""]
+    met = {True: "met", False: "NOT met", None: "-"}[target["met"]]
+    rows = [[k, v, f"target <= 0.35: {met}" if k == "host_over_device_only" else ""] for k, v in ratios.items()]
+    lines.append(harness.format_table(["ratio", "value", ""], rows))
+    lines.append(f"greedy outputs identical across variants: {report['outputs_identical']}")
     ht = results.get("host_tier", {})
     if not ht.get("error") and "bytes_to_host" in ht:
-        print(
+        lines.append(
             f"host tier: {ht['bytes_to_host'] / 1e6:.0f} MB to host in {ht['copy_to_host_s']:.3g} s, "
             f"{ht['bytes_from_host'] / 1e6:.0f} MB back in {ht['copy_from_host_s']:.3g} s"
         )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.workload != "host":
+        import offload_disk
+
+        return offload_disk.main(args)
+    return harness.main(
+        args,
+        measure=run,
+        report=report,
+        table=table,
+        verdict=lambda report: verdict(args, report),
+        workdir_prefix="kvd-offload-",
+    )
 
 
 if __name__ == "__main__":

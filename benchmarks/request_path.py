@@ -9,9 +9,9 @@ Counted: files inside this repository (the generated protobuf package
 included, as the code a request runs through), each with the thread that ran
 it. ``request_path`` is what the request's own threads ran (gRPC handlers, the
 engine's loop, the daemon's offload copier): what a reader follows from
-Generate to the last token. ``files`` adds what the timer and relay threads
+Generate to the last token. ``files`` adds what the timer and watcher threads
 ran in the same window (lease reaper and heartbeats, health checks, the
-template keeper, the gateway's block-event and load relays): what a process
+template keeper, the gateway's block-event and load watchers): what a process
 does while serving, whether or not this request caused it.
 
     .venv/bin/python benchmarks/request_path.py --json FILE
@@ -25,9 +25,9 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import harness
 
@@ -85,7 +85,7 @@ def wait_ready(address: str, timeout_s: float) -> None:
                 time.sleep(1.0)
 
 
-#: Threads that run on timers or relay streams, not for one request (their names in the code).
+#: Threads that run on timers or watch streams, not for one request (their names in the code).
 BACKGROUND_THREADS = ("kvd-reaper", "kvd-heartbeat", "replica-monitor", "template-keeper", "events-", "load-",
                       "trace-watch")  # fmt: skip
 
@@ -133,12 +133,7 @@ def trace(work: Path) -> dict[str, dict[str, list[str]]]:
     return per_process
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", required=True)
-    args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="kvd-path-") as tmp:
-        per_process = trace(Path(tmp))
+def report(_args: argparse.Namespace, per_process: dict[str, dict[str, list[str]]]) -> dict[str, Any]:
     union = sorted({f for split in per_process.values() for files in split.values() for f in files})
     own = [f for f in union if not f.startswith("protos/")]
     on_path = sorted({f for split in per_process.values() for f in split["request_path"]})
@@ -153,21 +148,28 @@ def main() -> int:
         "request_path_files": len(on_path),
         "request_path": on_path,
     }
-    harness.write_json(
-        args.json,
-        {
-            "benchmark": "request_path",
-            "quick": False,
-            "machine": harness.machine_info(),
-            "workload": {"request": "one Generate through kvd-serve, 4 new tokens, after two warm-ups"},
-            "results": results,
-            "ratios": {},
-        },
+    return {
+        "benchmark": "request_path",
+        "quick": False,
+        "machine": harness.machine_info(),
+        "workload": {"request": "one Generate through kvd-serve, 4 new tokens, after two warm-ups"},
+        "results": results,
+        "ratios": {},
+    }
+
+
+def table(report: dict[str, Any]) -> str:
+    union, on_path = report["results"]["paths"], report["results"]["request_path"]
+    lines = [f"{len(on_path)} files on the request's own threads; {len(union)} with background threads:"]
+    lines += [f"   {f} {'' if f in on_path else '(background only)'}" for f in union]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = harness.parser(__doc__, quick_help=None).parse_args(argv)
+    return harness.main(
+        args, measure=lambda _args, folder: trace(folder), report=report, table=table, workdir_prefix="kvd-path-"
     )
-    print(f"{len(on_path)} files on the request's own threads; {len(union)} with background threads:")
-    for f in union:
-        print("  ", f, "" if f in on_path else "(background only)")
-    return 0
 
 
 if __name__ == "__main__":

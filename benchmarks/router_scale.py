@@ -28,7 +28,7 @@ from typing import Any
 
 import harness
 
-from gateway.router import Load, RouteKey, Router, RouterConfig
+from gateway.router import Load, RouteKey, Router, RouterConfig, Stored
 
 BLOCK = 16
 CHUNK = 50_000
@@ -45,7 +45,7 @@ def build(router: Router, addresses: list[str], blocks_per_replica: int, holders
     for group, start in enumerate(range(0, distinct, CHUNK)):
         hashes = [rng.randbytes(32) for _ in range(min(CHUNK, distinct - start))]
         for j in range(holders):
-            router.apply(addresses[(group * holders + j) % len(addresses)], [("stored", hashes, 0)])
+            router.record_events(addresses[(group * holders + j) % len(addresses)], [Stored(hashes, 0)])
     return distinct
 
 
@@ -84,8 +84,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     own = [rng.randbytes(32) for _ in range(n - len(system))]
     everywhere = [rng.randbytes(32) for _ in range(n)]
     for address in addresses:
-        router.apply(address, [("stored", system, 0), ("stored", everywhere, 0)])
-    router.apply(addresses[len(addresses) // 2], [("stored", own, 0)])
+        router.record_events(address, [Stored(system, 0), Stored(everywhere, 0)])
+    router.record_events(addresses[len(addresses) // 2], [Stored(own, 0)])
     keys = {
         "hit": RouteKey(block_hashes=tuple(system + own), num_tokens=args.prompt_tokens),
         "everywhere": RouteKey(block_hashes=tuple(everywhere), num_tokens=args.prompt_tokens),
@@ -104,10 +104,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", required=True)
-    p.add_argument("--quick", action="store_true", help="8 replicas x 100k blocks")
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = harness.parser(__doc__, quick_help="8 replicas x 100k blocks")
     p.add_argument("--replicas", type=int, help="default 64; quick 8")
     p.add_argument("--blocks-per-replica", type=int, help="default 1,000,000; quick 100,000")
     p.add_argument("--holders", type=int, default=8, help="replicas holding each block")
@@ -118,13 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     args.replicas = args.replicas or (8 if args.quick else 64)
     args.blocks_per_replica = args.blocks_per_replica or (100_000 if args.quick else 1_000_000)
     args.holders = min(args.holders, args.replicas)
-    results = run(args)
-    rows = [[case, r["p50_us"], r["p99_us"], r["cpu_p50_us"], r["cpu_p99_us"]]
-            for case, r in results.items() if case != "index"]  # fmt: skip
-    print(harness.format_table(["case", "p50 us", "p99 us", "cpu p50 us", "cpu p99 us"], rows))
-    print(f"index: {results['index']['bytes_per_entry']:.0f} bytes per entry, "
-          f"{results['index']['bytes_per_known_block']:.1f} per known (replica, block)")  # fmt: skip
-    harness.write_json(args.json, {
+    return args
+
+
+def report(args: argparse.Namespace, results: dict[str, Any]) -> dict[str, Any]:
+    return {
         "benchmark": "router_scale",
         "quick": args.quick,
         "machine": harness.machine_info(),
@@ -134,8 +130,22 @@ def main(argv: list[str] | None = None) -> int:
         "results": harness.rounded(results),
         "ratios": {"choose_cpu_p99_over_target": harness.ratio(max(r["cpu_p99_us"] for c, r in results.items()
                                                                   if c != "index"), 200.0)},
-    })  # fmt: skip
-    return 0
+    }  # fmt: skip
+
+
+def table(report: dict[str, Any]) -> str:
+    results = report["results"]
+    rows = [[case, r["p50_us"], r["p99_us"], r["cpu_p50_us"], r["cpu_p99_us"]]
+            for case, r in results.items() if case != "index"]  # fmt: skip
+    return "\n".join([
+        harness.format_table(["case", "p50 us", "p99 us", "cpu p50 us", "cpu p99 us"], rows),
+        f"index: {results['index']['bytes_per_entry']:.0f} bytes per entry, "
+        f"{results['index']['bytes_per_known_block']:.1f} per known (replica, block)",
+    ])  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    return harness.main(parse_args(argv), measure=lambda args, _folder: run(args), report=report, table=table)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,6 @@ import argparse
 import random
 import statistics
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -48,9 +47,7 @@ BLOCK = 16
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", required=True, help="write the results here")
-    p.add_argument("--quick", action="store_true", help="a small workload (about a minute)")
+    p = harness.parser(__doc__)
     p.add_argument("--requests", type=int, help="requests per variant (default 200; quick 40)")
     p.add_argument("--templates", type=int, default=8)
     p.add_argument("--template-tokens", type=int, help="default 256; quick 128")
@@ -182,10 +179,10 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     choices = zipf_choices(rng, args.templates, args.zipf_s, n)
     requests = [(t, f" Request {j}: " + words(rng, tokenizer, args.prompt_tokens)) for j, t in enumerate(choices)]
 
-    def daemon(name: str, blocks: int) -> harness.KvdProcess:
+    def daemon(name: str, blocks: int) -> harness.DaemonProcess:
         flags = ["--block-size", str(BLOCK), "--num-blocks", str(blocks), "--metrics-port", "0",
                  "--max-pinned-fraction", str(pin_fraction)]  # fmt: skip
-        return harness.KvdProcess(workdir, flags, name=name)
+        return harness.DaemonProcess(workdir, flags, name=name)
 
     engine_args = ["--model", str(model_dir)]
     with (
@@ -205,7 +202,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         ]
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in variants}
         for turn in range(args.rounds):
-            for name, engines, gateway_args in variants if turn % 2 == 0 else variants[::-1]:
+            for name, engines, gateway_args in harness.turn_order(variants, turn):
                 folder = workdir / f"{name}-{turn}"
                 runs[name].append(run_variant(folder, engines, gateway_args, templates, requests, args))
                 reset([kvd_a, kvd_b, kvd_s])
@@ -242,10 +239,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     return {"workload": workload, "results": results}
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="kvd-bench-", dir="/tmp") as tmp:
-        out = run(args, Path(tmp))
+def report(args: argparse.Namespace, out: dict[str, Any]) -> dict[str, Any]:
     results = out["results"]
     ratios = {
         "affinity_over_single_hit": harness.ratio(
@@ -264,26 +258,33 @@ def main(argv: list[str] | None = None) -> int:
             results["round_robin"]["cached_token_ratio"], results["single"]["cached_token_ratio"]
         ),
     }
+    return harness.stack_report(
+        "routing", args.quick, out["workload"], harness.rounded(results), harness.rounded(ratios)
+    )
+
+
+def table(report: dict[str, Any]) -> str:
+    results, ratios = report["results"], report["ratios"]
     rows = [
         [v, r["requests"], r["cached_token_ratio"], r["ttft_mean_s"], r["ttft_p90_s"], r["wall_s"]]
         for v, r in results.items()
         if v != "routing_overhead"
     ]
-    print(harness.format_table(["variant", "requests", "cached", "ttft mean s", "ttft p90 s", "wall s"], rows))
+    lines = [harness.format_table(["variant", "requests", "cached", "ttft mean s", "ttft p90 s", "wall s"], rows)]
     for policy in ("affinity", "cost"):
         hit, ttft = ratios[f"{policy}_over_single_hit"], ratios[f"{policy}_over_round_robin_ttft"]
-        print(
+        lines.append(
             f"{policy} keeps {hit:.1%} of the single replica's cached-token ratio (target >= 90%); "
             f"its mean TTFT is {ttft:.2f}x round-robin's (target < 1)"
         )
     overhead = results["routing_overhead"]
-    print(f"routing overhead on a plain-text prompt in the gateway: tokenize {overhead['tokenize_ms']:.2f}"
-          f" ms, hash {overhead['hash_blocks_ms']:.3f} ms")  # fmt: skip
-    report = harness.stack_report(
-        "routing", args.quick, out["workload"], harness.rounded(results), harness.rounded(ratios)
-    )
-    harness.write_json(args.json, report)
-    return 0
+    lines.append(f"routing overhead on a plain-text prompt in the gateway: tokenize {overhead['tokenize_ms']:.2f}"
+                 f" ms, hash {overhead['hash_blocks_ms']:.3f} ms")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return harness.main(parse_args(argv), measure=run, report=report, table=table)
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ from typing import Any
 
 import harness
 
-from gateway.router import Load, RouteKey, Router, RouterConfig, rendezvous
+from gateway.router import Load, Removed, RouteKey, Router, RouterConfig, Stored, rendezvous
 
 POLICIES = ("round-robin", "affinity", "cost", "oracle")
 SOURCES = (*harness.ROUTER_SOURCES, "benchmarks/routing_sim.py")
@@ -375,7 +375,7 @@ class Simulation:
             home = self.by_address[rendezvous(name.encode(), addresses)[0]]
             home.pinned.update(blocks)
             self.router.place(name, home.address)
-            self.router.apply(home.address, [("stored", [block_key(b) for b in blocks], 0)])
+            self.router.record_events(home.address, [Stored([block_key(b) for b in blocks], 0)])
 
     # ----------------------------------------------------------------- events
 
@@ -434,11 +434,11 @@ class Simulation:
         replica.expect(request.blocks, -1)
         events = []
         if stored:
-            events.append(("stored", [block_key(b) for b in stored], 0))
+            events.append(Stored([block_key(b) for b in stored], 0))
         if evicted:
-            events.append(("removed", [block_key(b) for b in evicted], 0))
+            events.append(Removed([block_key(b) for b in evicted], 0))
         if events:
-            self.at(self.now + self.delay, self.router.apply, replica.address, events)
+            self.at(self.now + self.delay, self.router.record_events, replica.address, events)
         self.at(self.now + self.delay, self.router.prefilled, replica.address, request.ticket)
         replica.decoding += 1
         self.at(self.now + request.output / self.shape.decode_tokens_per_s, self.decoded, replica, request)
@@ -498,9 +498,7 @@ class Simulation:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", required=True, help="write the results here")
-    p.add_argument("--quick", action="store_true", help="4 replicas, one load, short runs (seconds)")
+    p = harness.parser(__doc__, quick_help="4 replicas, one load, short runs (seconds)")
     p.add_argument("--replicas", help="comma-separated (default 8,16,64; quick 4)")
     p.add_argument("--loads", help="comma-separated (default 0.7,0.9; quick 0.8)")
     p.add_argument("--workloads", default="chat,templates", help="chat, templates (and each --trace)")
@@ -631,24 +629,7 @@ def write_trace(args: argparse.Namespace) -> None:
     harness.log(f"wrote {len(rows)} requests to {args.write_trace}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.write_trace:
-        write_trace(args)
-        return 0
-    results = simulate(args)
-    cell_ratios = ratios(results)
-    rows = [
-        [cell, policy, s["requests"], s["hit_rate"], s["ttft_mean_s"], s["ttft_p50_s"], s["ttft_p90_s"],
-         s["utilisation_min"], s["utilisation_max"]]
-        for cell, by_policy in results.items() for policy, s in by_policy.items()
-    ]  # fmt: skip
-    headers = ["cell", "policy", "requests", "hit", "ttft mean s", "p50 s", "p90 s", "util min", "util max"]
-    print(harness.format_table(headers, rows))
-    keys = ("cost_over_oracle_ttft_mean", "cost_over_oracle_ttft_p90", "cost_over_best_hit_rate",
-            "cost_over_round_robin_ttft_mean", "oracle_over_round_robin_ttft_mean")  # fmt: skip
-    by_cell = [[cell, *(r.get(k) for k in keys)] for cell, r in cell_ratios.items() if isinstance(r, dict)]
-    print(harness.format_table(["cell", "cost/oracle mean", "p90", "hit/best", "cost/rr", "oracle/rr"], by_cell))
+def report(args: argparse.Namespace, results: dict[str, Any]) -> dict[str, Any]:
     workload = {
         k: getattr(args, k)
         for k in ("replicas", "loads", "workloads", "policies", "duration_s", "warmup", "block_tokens", "cache_blocks",
@@ -656,19 +637,39 @@ def main(argv: list[str] | None = None) -> int:
                   "event_delay_s", "tenants_per_replica", "work_weight", "seed")
     }  # fmt: skip
     workload["shape"] = dataclasses.asdict(Shape(args.block_tokens))
-    harness.write_json(
-        args.json,
-        {
-            "benchmark": "routing_sim",
-            "quick": args.quick,
-            "machine": harness.machine_info(),
-            "source": harness.source_digest(SOURCES),
-            "workload": workload,
-            "results": harness.rounded(results),
-            "ratios": harness.rounded(cell_ratios),
-        },
-    )
-    return 0
+    return {
+        "benchmark": "routing_sim",
+        "quick": args.quick,
+        "machine": harness.machine_info(),
+        "source": harness.source_digest(SOURCES),
+        "workload": workload,
+        "results": harness.rounded(results),
+        "ratios": harness.rounded(ratios(results)),
+    }
+
+
+def table(report: dict[str, Any]) -> str:
+    rows = [
+        [cell, policy, s["requests"], s["hit_rate"], s["ttft_mean_s"], s["ttft_p50_s"], s["ttft_p90_s"],
+         s["utilisation_min"], s["utilisation_max"]]
+        for cell, by_policy in report["results"].items() for policy, s in by_policy.items()
+    ]  # fmt: skip
+    headers = ["cell", "policy", "requests", "hit", "ttft mean s", "p50 s", "p90 s", "util min", "util max"]
+    keys = ("cost_over_oracle_ttft_mean", "cost_over_oracle_ttft_p90", "cost_over_best_hit_rate",
+            "cost_over_round_robin_ttft_mean", "oracle_over_round_robin_ttft_mean")  # fmt: skip
+    by_cell = [[cell, *(r.get(k) for k in keys)] for cell, r in report["ratios"].items() if isinstance(r, dict)]
+    return "\n".join([
+        harness.format_table(headers, rows),
+        harness.format_table(["cell", "cost/oracle mean", "p90", "hit/best", "cost/rr", "oracle/rr"], by_cell),
+    ])  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.write_trace:
+        write_trace(args)
+        return 0
+    return harness.main(args, measure=lambda args, _folder: simulate(args), report=report, table=table)
 
 
 if __name__ == "__main__":

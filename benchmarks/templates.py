@@ -32,7 +32,6 @@ import argparse
 import random
 import secrets
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -46,9 +45,7 @@ WORDS = [*BASE_WORDS, *"north south east west morning evening winter summer meet
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", required=True, help="write the results here")
-    p.add_argument("--quick", action="store_true", help="a small workload (about a minute)")
+    p = harness.parser(__doc__)
     p.add_argument("--requests", type=int, help="requests per variant (default 24; quick 6)")
     p.add_argument("--template-tokens", type=int, help="default 320; quick 96")
     p.add_argument("--prompt-tokens", type=int, help="default 1000; quick 300")
@@ -110,7 +107,9 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     wall: dict[str, float] = dict.fromkeys(VARIANTS, 0.0)
     blocks = max(1024, 4 * args.concurrency * (template_len + prompt_len) // 16)
     with (
-        harness.KvdProcess(workdir, ["--block-size", "16", "--num-blocks", str(blocks), "--metrics-port", "0"]) as kvd,
+        harness.DaemonProcess(
+            workdir, ["--block-size", "16", "--num-blocks", str(blocks), "--metrics-port", "0"]
+        ) as kvd,
         harness.EngineProcess(workdir, kvd.address, ["--model", str(model_dir)]) as engine,
         harness.GatewayProcess(workdir, engine.address) as gateway,
         GatewayClient(gateway.address, timeout_s=600) as client,
@@ -123,8 +122,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         progress = harness.Progress("templates: interleaved rounds", n * len(VARIANTS))
         for r in range(args.rounds):
             chunk = slice(r * n // args.rounds, (r + 1) * n // args.rounds)
-            order = VARIANTS if r % 2 == 0 else tuple(reversed(VARIANTS))
-            for variant in order:
+            for variant in harness.turn_order(VARIANTS, r):
                 batch = prompts[variant][chunk]
                 start = time.perf_counter()
                 results = list(pool.map(lambda p, v=variant: one_request(client, v, "bench", template_text, p), batch))
@@ -232,45 +230,45 @@ def summarize(rows: list[tuple[int, int, float]], wall_s: float) -> dict[str, An
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="kvd-bench-", dir="/tmp") as tmp:
-        out = run(args, Path(tmp))
+def report(args: argparse.Namespace, out: dict[str, Any]) -> dict[str, Any]:
     results = out["results"]
-    gain = results["template"]["prompt_tokens_per_s"] / results["no_cache"]["prompt_tokens_per_s"] - 1
+    no_cache = results["no_cache"]
     ratios = {
-        "prompt_throughput_gain": gain,
-        "auto_prefix_gain": results["auto_prefix"]["prompt_tokens_per_s"] / results["no_cache"]["prompt_tokens_per_s"]
-        - 1,
+        "prompt_throughput_gain": results["template"]["prompt_tokens_per_s"] / no_cache["prompt_tokens_per_s"] - 1,
+        "auto_prefix_gain": results["auto_prefix"]["prompt_tokens_per_s"] / no_cache["prompt_tokens_per_s"] - 1,
         "template_over_auto_prefix": results["template"]["prompt_tokens_per_s"]
         / results["auto_prefix"]["prompt_tokens_per_s"],
-        "ttft_template_over_no_cache": results["template"]["ttft_mean_s"] / results["no_cache"]["ttft_mean_s"],
+        "ttft_template_over_no_cache": results["template"]["ttft_mean_s"] / no_cache["ttft_mean_s"],
         "ideal_gain": out["workload"]["template_tokens"] / out["workload"]["prompt_tokens"],
         "flop_bound_gain": out["workload"]["flop_bound_gain"],
     }
+    return harness.stack_report(
+        "templates", args.quick, out["workload"], harness.rounded(results), harness.rounded(ratios)
+    )
+
+
+def table(report: dict[str, Any]) -> str:
+    results, ratios = report["results"], report["ratios"]
     rows = [
         [v, r["requests"], r["prompt_tokens_per_s"], r["ttft_mean_s"], r["ttft_p90_s"], r["cached_token_ratio"]]
         for v, r in results.items()
         if v in VARIANTS
     ]
-    print(harness.format_table(["variant", "requests", "prompt tok/s", "ttft mean s", "ttft p90 s", "cached"], rows))
-    print(
-        f"prompt throughput gain with the template: {gain:+.1%} (target +30%; token-count ideal "
-        f"{ratios['ideal_gain']:+.1%}; FLOP bound with causal attention {ratios['flop_bound_gain']:+.1%}); "
-        f"automatic prefix caching {ratios['auto_prefix_gain']:+.1%}; template / auto_prefix "
-        f"{ratios['template_over_auto_prefix']:.3f} (target >= 0.97)"
-    )
     overhead = results["overhead"]
-    print(
+    return "\n".join([
+        harness.format_table(["variant", "requests", "prompt tok/s", "ttft mean s", "ttft p90 s", "cached"], rows),
+        f"prompt throughput gain with the template: {ratios['prompt_throughput_gain']:+.1%} (target +30%; "
+        f"token-count ideal {ratios['ideal_gain']:+.1%}; FLOP bound with causal attention "
+        f"{ratios['flop_bound_gain']:+.1%}); automatic prefix caching {ratios['auto_prefix_gain']:+.1%}; "
+        f"template / auto_prefix {ratios['template_over_auto_prefix']:.3f} (target >= 0.97)",
         f"per templated request before the engine: {overhead['gateway_path_ms']:.2f} ms now, "
         f"{overhead['before_path_ms']:.2f} ms on the path before (engine Tokenize alone "
-        f"{overhead['engine_tokenize_ms']:.2f} ms)"
-    )
-    report = harness.stack_report(
-        "templates", args.quick, out["workload"], harness.rounded(results), harness.rounded(ratios)
-    )
-    harness.write_json(args.json, report)
-    return 0
+        f"{overhead['engine_tokenize_ms']:.2f} ms)",
+    ])  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    return harness.main(parse_args(argv), measure=run, report=report, table=table)
 
 
 if __name__ == "__main__":

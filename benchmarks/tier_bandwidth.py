@@ -18,6 +18,7 @@ import statistics
 import sys
 import threading
 import time
+from typing import Any
 
 import harness
 import torch
@@ -50,11 +51,11 @@ def measure(layout: CacheLayout, num_blocks: int, repeats: int) -> dict:
 
     def tier_out():
         copier.copy_out(list(zip(blocks, slots, strict=True)))
-        copier.drain()
+        copier.wait_for_copies()
 
     def tier_in():
         copier.copy_in(list(zip(slots, blocks, strict=True)))
-        copier.drain()
+        copier.wait_for_copies()
 
     device_flat = cache[: len(blocks)].contiguous()
     host_flat = torch.empty_like(device_flat, device="cpu").pin_memory()
@@ -83,22 +84,24 @@ def measure(layout: CacheLayout, num_blocks: int, repeats: int) -> dict:
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", required=True)
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = harness.parser(__doc__, quick_help=None)
     p.add_argument("--blocks", type=int, default=1024, help="device blocks; half of them are copied")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
-    args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("tier_bandwidth: needs a CUDA GPU", file=sys.stderr)
-        return 2
-    layout = CacheLayout(args.layers, args.kv_heads, args.head_dim, args.block_size, "bfloat16")
-    results = measure(layout, args.blocks, args.repeats)
-    report = {
+    return p.parse_args(argv)
+
+
+def cache_layout(args: argparse.Namespace) -> CacheLayout:
+    return CacheLayout(args.layers, args.kv_heads, args.head_dim, args.block_size, "bfloat16")
+
+
+def report(args: argparse.Namespace, results: dict[str, Any]) -> dict[str, Any]:
+    layout = cache_layout(args)
+    return {
         "benchmark": "tier_bandwidth",
         "quick": False,
         "machine": {**harness.machine_info(), "gpu": torch.cuda.get_device_name()},
@@ -107,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
             "block_bytes": layout.block_bytes,
             "blocks_copied": args.blocks // 2,
             "repeats": args.repeats,
-            "tier": "TierCopier.copy_out / copy_in, one copy_ per block on the copier's stream, timed to drain()",
+            "tier": (
+                "TierCopier.copy_out / copy_in, one copy_ per block on the copier's stream, timed to wait_for_copies()"
+            ),
             "plain": "one copy_ of the same bytes, contiguous device <-> contiguous pinned host, synchronized",
         },
         "results": harness.rounded(results),
@@ -118,13 +123,27 @@ def main(argv: list[str] | None = None) -> int:
             }
         ),
     }
-    harness.write_json(args.json, report)
+
+
+def table(report: dict[str, Any]) -> str:
     rows = [
-        [d, r["tier_gb_per_s"], r["plain_gb_per_s"], r["tier_gb_per_s"] / r["plain_gb_per_s"]]
-        for d, r in results.items()
+        [d, r["tier_gb_per_s"], r["plain_gb_per_s"], report["ratios"][f"{d}_over_plain"]]
+        for d, r in report["results"].items()
     ]
-    print(harness.format_table(["direction", "tier GB/s", "plain GB/s", "ratio"], rows))
-    return 0
+    return harness.format_table(["direction", "tier GB/s", "plain GB/s", "ratio"], rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("tier_bandwidth: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    return harness.main(
+        args,
+        measure=lambda args, _folder: measure(cache_layout(args), args.blocks, args.repeats),
+        report=report,
+        table=table,
+    )
 
 
 if __name__ == "__main__":

@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
 from gateway import redis_conn
-from gateway.endpoints import check_endpoint
+from gateway.config import GatewaySettings
+from gateway.error_statuses import STATUS_BY_ERROR
 from gateway.keeper import TemplateKeeper
 from gateway.replicas import ReplicaPool
-from gateway.router import Router, RouterConfig
-from gateway.service import STATUS_BY_ERROR, GatewayService
+from gateway.request_path import RequestPath
+from gateway.router import Router
+from gateway.service import GatewayService
 from gateway.templates import TemplateStore
-from gateway.tenants import Authenticator, FileKeys, KeyStore, RedisKeys, TenantLimits
+from gateway.tenants import Authenticator, FileKeys, KeyStore, RedisKeys
 from kvd.common.grpc_server import CallLimit, OpenCalls, build_server
 from kvd_api.gateway.v1 import gateway_pb2 as pb
 from kvd_api.gateway.v1 import gateway_pb2_grpc as pb_grpc
@@ -27,58 +28,6 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Gateway"].full_name
 
 def default_data_dir() -> Path:
     return Path.home() / ".local" / "share" / "kvd"
-
-
-@dataclass(frozen=True)
-class GatewaySettings:
-    """Everything one gateway process is configured with (the CLI fills it).
-
-    Attributes:
-        engines: ``HOST:PORT`` and ``dns:NAME:PORT`` entries (see ``gateway.endpoints``).
-        api_keys: "" (single-user mode), "redis", or a JSON keys file.
-        keeper_interval_s: how often templates are re-checked: expired ones
-            unpinned, placed again when a replica's cache is new or it left.
-        routing: how requests pick a replica (``gateway.router``).
-        health_interval_s: how often each replica's health is checked.
-        dns_interval_s: how often ``dns:`` entries are resolved again.
-        replica_wait_s: how long a request waits for a replica when none
-            serves but one did lately (``ReplicaPool.await_serving``).
-        http_listen: the OpenAI-compatible HTTP API's ``HOST:PORT``; "": none.
-        max_open_requests: generations (gRPC Generate and Complete, HTTP
-            completions) held at once; more are refused (RESOURCE_EXHAUSTED, 429).
-    """
-
-    listen: str = "127.0.0.1:50051"
-    engines: list[str] = field(default_factory=lambda: ["127.0.0.1:50052"])
-    redis_url: str = ""
-    data_dir: Path | None = None
-    redis_prefix: str = "kvd:"
-    api_keys: str = ""
-    tls_cert: Path | None = None
-    tls_key: Path | None = None
-    keeper_interval_s: float = 1.0
-    routing: RouterConfig = field(default_factory=RouterConfig)
-    health_interval_s: float = 0.5
-    dns_interval_s: float = 5.0
-    replica_wait_s: float = 30.0
-    limits: TenantLimits = field(default_factory=TenantLimits)
-    http_listen: str = ""
-    max_open_requests: int = 512
-
-    def __post_init__(self) -> None:
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ValueError("TLS needs both --tls-cert and --tls-key")
-        if not self.engines:
-            raise ValueError("at least one engine endpoint is needed")
-        for entry in self.engines:
-            check_endpoint(entry)
-        for name in ("keeper_interval_s", "health_interval_s", "dns_interval_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.replica_wait_s < 0:
-            raise ValueError(f"replica_wait_s must be >= 0, got {self.replica_wait_s}")
-        if self.max_open_requests < 1:
-            raise ValueError(f"max_open_requests must be >= 1, got {self.max_open_requests}")
 
 
 class GatewayApp:
@@ -106,7 +55,7 @@ class GatewayApp:
         )
         self.auth = Authenticator(self._key_store())
         self.keeper = TemplateKeeper(self.store, self.pool, settings.keeper_interval_s)
-        service = GatewayService(self.store, self.pool, self.keeper, self.auth, settings.limits)
+        service = GatewayService(RequestPath(self.store, self.pool, self.keeper, self.auth, settings.limits))
         # One count of generations for both APIs.
         self.open_calls = OpenCalls(settings.max_open_requests, "--max-open-requests")
         # The gateway serves (templates, info) while at least one replica does.
@@ -143,7 +92,7 @@ class GatewayApp:
         from gateway.http_api.server import HttpServer  # the ASGI stack loads only when it serves
 
         s = self.settings
-        return HttpServer(service, self.open_calls, s.http_listen, s.tls_cert, s.tls_key)
+        return HttpServer(service.requests, self.open_calls, s.http_listen, s.tls_cert, s.tls_key)
 
     def _engine_health(self, up: bool) -> None:
         self.server.set_serving(up)

@@ -24,6 +24,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from gateway.client import GatewayClient
+from kvd.common.defaults import GATEWAY_ADDRESS
 from kvd.common.settings import EPILOG, Setting
 
 
@@ -36,7 +37,7 @@ _CONTEXT = {"help_option_names": ["-h", "--help"]}
 
 #: The gateway and the key: what every command needs.
 SETTINGS = [
-    Setting("--address", env="KVD_GATEWAY_ADDR", default="127.0.0.1:50051", help="the gateway: HOST:PORT"),
+    Setting("--address", env="KVD_GATEWAY_ADDR", default=GATEWAY_ADDRESS, help="the gateway: HOST:PORT"),
     Setting("--api-key", env="KVD_API_KEY", help="the API key; empty: single-user mode"),
     Setting("--tls-ca", help="PEM file to trust: connect with TLS"),
 ]

@@ -8,14 +8,16 @@
   the model's chat template, token for token what ``apply_chat_template``
   gives for them. Its stored tokens are its messages rendered alone, which
   ``template_ids`` checked, at creation, to begin such renderings.
-- Any other pairing is a ``ValueError`` (INVALID_ARGUMENT) saying what to
+- Any other pairing is an ``InvalidField`` (INVALID_ARGUMENT) saying what to
   send: text glued in front of a rendered conversation is no chat prompt.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
+from gateway.request_errors import InvalidField
 from gateway.templates import Template
 from gateway.tokenizer import GatewayTokenizer, Message, generation_prompt, messages_of
 
@@ -30,33 +32,42 @@ def template_ids(tokenizer: GatewayTokenizer, content: str, messages: Sequence[M
     """A new template's token ids.
 
     Raises:
-        ValueError: neither or both of content and messages; messages whose
+        InvalidField: neither or both of content and messages; messages whose
             rendering changes when a conversation follows them (this model's
             chat template would not keep them as a prefix).
     """
     if content and messages:
-        raise ValueError("give the template's content or its messages, not both")
+        raise InvalidField(None, "give the template's content or its messages, not both")
     if not content and not messages:
-        raise ValueError("content must not be empty (or give messages: a chat template)")
+        raise InvalidField("content", "content must not be empty (or give messages: a chat template)")
     if content:
         return tokenizer.text_ids(content)
     ids = tokenizer.chat_ids(messages, add_generation_prompt=False)
     for follow_up in _FOLLOW_UPS:
         if tokenizer.chat_ids([*messages, *follow_up], add_generation_prompt=True)[: len(ids)] != ids:
-            raise ValueError(
+            raise InvalidField(
+                "messages",
                 "messages: this model's chat template renders them differently once a conversation follows, "
-                "so their tokens cannot be a cached prefix of chat requests; send the messages with each request"
+                "so their tokens cannot be a cached prefix of chat requests; send the messages with each request",
             )
     return ids
 
 
-def templated_ids(tokenizer: GatewayTokenizer, template: Template, request) -> tuple[list[int], int]:
-    """A templated request's token ids, and how many of them are the template's."""
+class TemplatedIds(NamedTuple):
+    """A templated request's prompt as token ids."""
+
+    token_ids: list[int]
+    template_tokens: int  # how many of them, first, are the template's (0: none reused)
+
+
+def templated_ids(tokenizer: GatewayTokenizer, template: Template, request) -> TemplatedIds:
+    """A templated request's token ids, the template's first."""
     kind = request.WhichOneof("prompt")
     if template.messages:
         if kind not in (None, "chat"):
-            raise ValueError(
-                f"template {template.name!r} holds chat messages: send the prompt as chat messages (or none)"
+            raise InvalidField(
+                "template",
+                f"template {template.name!r} holds chat messages: send the prompt as chat messages (or none)",
             )
         own = messages_of(request.chat) if kind == "chat" else []
         add_prompt = generation_prompt(request.chat) if kind == "chat" else True
@@ -65,13 +76,14 @@ def templated_ids(tokenizer: GatewayTokenizer, template: Template, request) -> t
         # that does not (a chat template reading later turns) is still the
         # right prompt, it just reuses no template block.
         count = len(template.token_ids)
-        return ids, count if ids[:count] == template.token_ids else 0
+        return TemplatedIds(ids, count if ids[:count] == template.token_ids else 0)
     if kind == "chat":
-        raise ValueError(
+        raise InvalidField(
+            "template",
             f"template {template.name!r} holds text, not chat messages: a chat request needs a template "
-            "created with messages (or send the prompt as text)"
+            "created with messages (or send the prompt as text)",
         )
-    return template.token_ids + own_ids(tokenizer, request), len(template.token_ids)
+    return TemplatedIds(template.token_ids + own_ids(tokenizer, request), len(template.token_ids))
 
 
 def own_ids(tokenizer: GatewayTokenizer, request) -> list[int]:

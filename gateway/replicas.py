@@ -1,14 +1,14 @@
 """The engine replicas behind a gateway: their links, health, block events and load.
 
 Each replica is an ``EngineLink`` (its channel, stub and model info); engine
-errors reach clients through ``engine_error``.
+errors reach clients through ``engine_error`` (``gateway.error_statuses``).
 
 A monitor thread, every ``health_interval_s``: resolves the endpoints again
 (every ``resolve_interval_s``; ``dns:`` names follow their pods), checks each
 replica's gRPC health, and tells the router. While a request waits for a
 replica (``await_serving``: none serves during a drain or a restart) it checks
 every ``HURRIED_INTERVAL_S``, so the request goes on as soon as one is back.
-Two relay threads per replica:
+Two watcher threads per replica:
 
 - one follows its ``BlockEvents`` stream into the router: a snapshot of what
   its daemon caches, then the live batches; a batch out of sequence, or of
@@ -31,7 +31,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.endpoints import expand
-from gateway.router import Event, Load, NoReplica, Router
+from gateway.router import Cleared, Event, Load, NoReplica, Removed, Router, Stored
 from kvd_api.daemon.v1 import daemon_pb2 as dpb
 from kvd_api.engine.v1 import engine_pb2 as epb
 from kvd_api.engine.v1 import engine_pb2_grpc as epb_grpc
@@ -98,9 +98,6 @@ class EngineLink:
 
     def close(self) -> None:
         self.channel.close()
-
-    def error(self, err: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
-        return engine_error(err, f"the engine at {self.address}")
 
 
 # gRPC reports a call without a deadline as ~2**63 ns remaining; passed on as
@@ -231,7 +228,7 @@ class ReplicaPool:
         with self._lock:
             links, self._links = self._links, {}
         for link in links.values():
-            link.close()  # also ends its relay's stream
+            link.close()  # also ends its watchers' streams
 
     def refresh(self) -> None:
         """One round: the replicas (re-resolved when due), then their health."""
@@ -256,8 +253,8 @@ class ReplicaPool:
             link.close()
         for address in added:
             log.info("engine replica added", extra={"engine": address})
-            threading.Thread(target=self._relay, args=(address,), name=f"events-{address}", daemon=True).start()
-            threading.Thread(target=self._load_relay, args=(address,), name=f"load-{address}", daemon=True).start()
+            threading.Thread(target=self._watch_events, args=(address,), name=f"events-{address}", daemon=True).start()
+            threading.Thread(target=self._watch_load, args=(address,), name=f"load-{address}", daemon=True).start()
 
     def _run(self) -> None:
         while True:
@@ -270,7 +267,7 @@ class ReplicaPool:
             except Exception:  # a bug in one round must not stop the monitor
                 log.exception("replica monitor round failed")
 
-    def _relay(self, address: str) -> None:
+    def _watch_events(self, address: str) -> None:
         """Follows one replica's block events while it is in the pool."""
         while not self._stop.is_set():
             if (link := self._link_of(address)) is None:
@@ -299,12 +296,12 @@ class ReplicaPool:
                                  extra={"engine": address, "expected": expected, "got": batch.sequence})  # fmt: skip
                         return True
                     expected = (batch.incarnation, batch.sequence + 1)
-                self.router.apply(address, [_event(e) for e in batch.events])
+                self.router.record_events(address, [_event(e) for e in batch.events])
             return False
         finally:
             stream.cancel()
 
-    def _load_relay(self, address: str) -> None:
+    def _watch_load(self, address: str) -> None:
         """Follows one replica's load reports while it is in the pool."""
         while not self._stop.is_set():
             if (link := self._link_of(address)) is None:
@@ -344,8 +341,9 @@ def _serving(link: EngineLink) -> bool | None:
 def _event(event: dpb.BlockEvent) -> Event:
     kind = event.WhichOneof("kind")
     if kind == "all_cleared":
-        return ("cleared", (), 0)
-    body = event.stored if kind == "stored" else event.removed
+        return Cleared()
     # A block counts as held while it is stored in any tier (device or host):
     # a host-tier hit costs a copy, far less than recomputing it.
-    return (kind, tuple(body.block_hashes), body.tier)
+    if kind == "stored":
+        return Stored(tuple(event.stored.block_hashes), event.stored.tier)
+    return Removed(tuple(event.removed.block_hashes), event.removed.tier)

@@ -10,13 +10,40 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import click
+
 from gateway.block_index import index_keys
+from kvd.common.config_fields import setting
 
 POLICIES = ("cost", "affinity", "round-robin")
 
-#: A block event as the router takes it: (kind, block hashes, tier), kind
-#: one of "stored", "removed", "cleared".
-Event = tuple[str, Sequence[bytes], int]
+#: The ``--help`` section of the gateway's routing settings (``RouterConfig``'s and the replicas' checks).
+ROUTING = "routing across replicas"
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """A replica's daemon stored these blocks in ``tier`` (0: device, 1: host, 2: disk)."""
+
+    block_hashes: Sequence[bytes]
+    tier: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Removed:
+    """A replica's daemon no longer holds these blocks in ``tier``."""
+
+    block_hashes: Sequence[bytes]
+    tier: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Cleared:
+    """A replica's daemon dropped everything (or its event stream broke)."""
+
+
+#: A block event as the router takes it.
+Event = Stored | Removed | Cleared
 
 
 class NoReplica(LookupError):
@@ -104,23 +131,58 @@ class ReplicaView:
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """Attributes:
-    policy: "cost", "affinity" or "round-robin".
-    load_factor: how far above the mean load an affinity target may go.
-    load_slack: requests a target may take above ``load_factor * mean``.
-    work_weight: the least a request's own uncached token weighs against a
-        queued one (cost policy; 1: the plain TTFT estimate); it weighs more
-        while the fleet's queues are long (see ``CostPolicy.work_weight``).
-    report_lag_s: a load report covers this gateway's requests sent at least
-        this long before it arrived (the engine reports on change).
-    forward_s, token_s, token_budget: the prefill rate assumed for a replica
-        that has not reported one yet.
+    """How the gateway routes; the first four fields are ``kvd-gateway``'s routing settings.
+
+    Attributes:
+        policy: "cost", "affinity" or "round-robin".
+        work_weight: the least a request's own uncached token weighs against a
+            queued one (cost policy; 1: the plain TTFT estimate); it weighs more
+            while the fleet's queues are long (see ``CostPolicy.work_weight``).
+        load_factor: how far above the mean load an affinity target may go.
+        load_slack: requests a target may take above ``load_factor * mean``.
+        report_lag_s: a load report covers this gateway's requests sent at least
+            this long before it arrived (the engine reports on change).
+        forward_s, token_s, token_budget: the prefill rate assumed for a replica
+            that has not reported one yet.
     """
 
-    policy: str = "cost"
-    load_factor: float = 1.5
-    load_slack: float = 2.0
-    work_weight: float = 4.0
+    policy: str = setting(
+        "--routing",
+        env="KVD_ROUTING",
+        type=click.Choice(POLICIES),
+        default="cost",
+        section=ROUTING,
+        help="how a request picks a replica: cost (the least estimated time to first token, from the blocks each"
+        " replica holds and the prefill work queued there), affinity (its template, else its prompt's leading"
+        " blocks, bounded by load) or round-robin",
+    )
+    work_weight: float = setting(
+        "--route-work-weight",
+        env="KVD_ROUTE_WORK_WEIGHT",
+        type=click.FLOAT,
+        default=4.0,
+        section=ROUTING,
+        help="cost routing: the least the request's own uncached tokens weigh against work queued on a replica"
+        " (1: the plain TTFT estimate; more keeps conversations on their replica; long queues fleet-wide raise"
+        " it)",
+    )
+    load_factor: float = setting(
+        "--route-load-factor",
+        env="KVD_ROUTE_LOAD_FACTOR",
+        type=click.FLOAT,
+        default=1.5,
+        section=ROUTING,
+        help="affinity routing: a target running more than FACTOR x the mean load + SLACK requests spills to the"
+        " least loaded replica",
+    )
+    load_slack: float = setting(
+        "--route-load-slack",
+        env="KVD_ROUTE_LOAD_SLACK",
+        type=click.FLOAT,
+        default=2.0,
+        section=ROUTING,
+        help="see --route-load-factor",
+    )
     report_lag_s: float = 0.05
     forward_s: float = 0.02
     token_s: float = 1e-4

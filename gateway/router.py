@@ -10,7 +10,7 @@ among the serving ones. The vocabulary (``RouteKey``, ``Route``, ``Load``,
 ``RouterConfig``) is in ``gateway.route_types``.
 
 One lock guards all of it: RPC threads choose and count their requests; the
-health monitor, the event relays and the load relays update.
+health monitor, the event watchers and the load watchers update.
 """
 
 from __future__ import annotations
@@ -26,26 +26,32 @@ from gateway.policies import make_policy
 from gateway.replica_load import ReplicaState, rate_terms
 from gateway.route_types import (
     POLICIES,
+    Cleared,
     Event,
     Load,
     NoReplica,
+    Removed,
     ReplicaView,
     Route,
     RouteKey,
     RouterConfig,
+    Stored,
 )
 
 __all__ = [
     "POLICIES",
+    "Cleared",
     "Event",
     "Load",
     "NoReplica",
+    "Removed",
     "ReplicaView",
     "Route",
     "RouteKey",
     "Router",
     "RouterConfig",
     "rendezvous",
+    "Stored",
 ]
 
 #: What a block on a replica's disk tier counts for against one in its memory
@@ -57,7 +63,7 @@ DISK_BLOCK_WEIGHT = 0.5
 class Router:
     """The replicas' health, load and cached prefixes, and the choice among them.
 
-    Thread-safe: RPC threads choose, the monitor and the event and load relays update.
+    Thread-safe: RPC threads choose, the monitor and the event and load watchers update.
 
     Args:
         clock: seconds, monotonic (the simulator gives its own).
@@ -191,23 +197,24 @@ class Router:
 
     # ------------------------------------------------------- events, load
 
-    def apply(self, address: str, events: Iterable[Event]) -> None:
+    def record_events(self, address: str, events: Iterable[Event]) -> None:
         """Updates what ``address`` holds from its daemon's block events."""
         with self._lock:
             replica = self._replicas.get(address)
             if replica is None:
                 return
-            for kind, hashes, tier in events:
-                if kind == "stored":
-                    self._index.stored(replica.slot, tier, hashes)
-                elif kind == "removed":
-                    self._index.removed(replica.slot, tier, hashes)
-                else:
-                    self._index.clear(replica.slot)
+            for event in events:
+                match event:
+                    case Stored(hashes, tier):
+                        self._index.stored(replica.slot, tier, hashes)
+                    case Removed(hashes, tier):
+                        self._index.removed(replica.slot, tier, hashes)
+                    case Cleared():
+                        self._index.clear(replica.slot)
 
     def forget(self, address: str) -> None:
         """Drops what ``address`` was known to hold (its event stream broke)."""
-        self.apply(address, [("cleared", (), 0)])
+        self.record_events(address, [Cleared()])
 
     def report_load(self, address: str, load: Load) -> None:
         with self._lock:

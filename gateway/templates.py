@@ -31,9 +31,11 @@ import time
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import redis
 
+from gateway.request_errors import InvalidField
 from gateway.template_scripts import TemplateScripts
 from gateway.tenants import LimitExceeded, TenantLimits
 
@@ -69,19 +71,28 @@ class Template:
     messages: tuple[tuple[str, str], ...] = ()  # a chat template's (role, content); empty: a text template
 
 
+class TemplatePage(NamedTuple):
+    """One page of a listing, and the token of the next page ("" at the end)."""
+
+    templates: list[Template]
+    next_page_token: str
+
+
 def check_name(name: str, field: str = "name") -> None:
     if not NAME.match(name):
-        raise ValueError(f"{field}: {name[:200]!r} is not allowed as a template name: use [a-z0-9][a-z0-9._-]{{0,127}}")
+        raise InvalidField(
+            field, f"{field}: {name[:200]!r} is not allowed as a template name: use [a-z0-9][a-z0-9._-]{{0,127}}"
+        )
 
 
 def check_ttl(ttl_seconds: int) -> None:
     if not 0 <= ttl_seconds <= MAX_TTL_S:
-        raise ValueError(f"ttl_seconds must be in [0, {MAX_TTL_S}] (0: no expiry), got {ttl_seconds}")
+        raise InvalidField("ttl_seconds", f"ttl_seconds must be in [0, {MAX_TTL_S}] (0: no expiry), got {ttl_seconds}")
 
 
 def check_description(description: str) -> None:
     if len(description) > MAX_DESCRIPTION:
-        raise ValueError(f"description is {len(description)} characters; at most {MAX_DESCRIPTION}")
+        raise InvalidField("description", f"description is {len(description)} characters; at most {MAX_DESCRIPTION}")
 
 
 class TemplateStore:
@@ -121,14 +132,14 @@ class TemplateStore:
         """Stores a new template (``pin_blocks``: the blocks it will pin).
 
         Raises:
-            ValueError: a bad name, empty content or a negative TTL.
+            InvalidField: a bad name, empty content or a negative TTL.
             TemplateExists: the tenant already has this name.
             LimitExceeded: past the tenant's template or pinned-block limit.
         """
         check_name(name)
         check_ttl(ttl_seconds)
         if not (content or messages) or not token_ids:
-            raise ValueError("template content must not be empty")
+            raise InvalidField("content", "template content must not be empty")
         limits = limits or TenantLimits()
         fields = {
             "content": content,
@@ -194,10 +205,10 @@ class TemplateStore:
         if not deleted:
             raise TemplateNotFound(f"template {name!r} not found")
 
-    def list(self, tenant: str, page_size: int = 0, page_token: str = "") -> tuple[list[Template], str]:
-        """A page of templates in name order, and the token of the next page ("" at the end)."""
+    def list(self, tenant: str, page_size: int = 0, page_token: str = "") -> TemplatePage:
+        """A page of templates in name order."""
         if page_size < 0:
-            raise ValueError(f"page_size must be >= 0, got {page_size}")
+            raise InvalidField("page_size", f"page_size must be >= 0, got {page_size}")
         size = min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
         start = f"({self._after(tenant, page_token)}" if page_token else "-"
         found: list[Template] = []
@@ -205,7 +216,7 @@ class TemplateStore:
             while len(found) < size:
                 names = [n.decode() for n in r.zrangebylex(self._index(tenant), start, "+", 0, size - len(found))]
                 if not names:
-                    return found, ""
+                    return TemplatePage(found, "")
                 for name in names:
                     try:
                         found.append(self.get(tenant, name))
@@ -213,7 +224,7 @@ class TemplateStore:
                         r.zrem(self._index(tenant), name)
                 start = f"({names[-1]}"
             more = r.zrangebylex(self._index(tenant), start, "+", 0, 1)
-        return found, (self._page_token(tenant, found[-1].name) if more else "")
+        return TemplatePage(found, self._page_token(tenant, found[-1].name) if more else "")
 
     # NOTE: a page token is the last name of its page, signed with a key kept
     # in Redis (shared by every gateway on it): a token no listing produced,
@@ -224,7 +235,7 @@ class TemplateStore:
     def _after(self, tenant: str, page_token: str) -> str:
         last_name, _, signature = page_token.rpartition(".")
         if not (NAME.match(last_name) and hmac.compare_digest(signature, self._signature(tenant, last_name))):
-            raise ValueError("page_token: not a token from a previous ListTemplates page")
+            raise InvalidField("page_token", "page_token: not a token from a previous ListTemplates page")
         return last_name
 
     def _signature(self, tenant: str, last_name: str) -> str:

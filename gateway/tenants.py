@@ -1,8 +1,9 @@
 """Tenants: who is calling (API keys), what they may do (scopes) and how much
 (limits), and the cache salt that keeps their blocks apart.
 
-API keys travel in the gRPC metadata as ``authorization: Bearer <key>``. Only
-their SHA-256 is kept, in one of two stores:
+API keys travel in the gRPC metadata, or the HTTP header, as
+``authorization: Bearer <key>``. Only their SHA-256 is kept, in one of two
+stores:
 
 - a JSON file (``--api-keys FILE``)::
 
@@ -40,12 +41,17 @@ import hashlib
 import json
 import re
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+import click
 import grpc
 import redis
+
+from gateway.request_errors import RequestError
+from kvd.common.config_fields import setting
 
 SCOPE_GENERATE = "generate"
 SCOPE_TEMPLATES_WRITE = "templates:write"
@@ -133,28 +139,33 @@ class Authenticator:
     def single_user(self) -> bool:
         return self.keys is None
 
-    def authorize(self, context: grpc.ServicerContext, scope: str | None) -> Principal:
-        """The caller, or aborts: UNAUTHENTICATED without a known key,
-        PERMISSION_DENIED without ``scope`` (None: any valid key will do)."""
+    def authorize(self, key: str | None, scope: str | None) -> Principal:
+        """The caller of ``key`` (its bearer key; None: none was sent).
+
+        Raises:
+            RequestError: UNAUTHENTICATED without a known key, PERMISSION_DENIED
+                without ``scope`` (None: any valid key will do), UNAVAILABLE
+                when the keys cannot be read.
+        """
         if self.keys is None:
             return Principal(DEFAULT_TENANT, SCOPES)
-        key = _bearer(context)
         if key is None:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing API key: send 'authorization: Bearer <key>'")
+            raise RequestError(grpc.StatusCode.UNAUTHENTICATED, "missing API key: send 'authorization: Bearer <key>'")
         try:
             principal = self.keys.lookup(key_digest(key))
         except (redis.ConnectionError, redis.TimeoutError):
-            context.abort(grpc.StatusCode.UNAVAILABLE, "Redis is unreachable: cannot check the API key")
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "Redis is unreachable: cannot check the API key") from None
         if principal is None:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "unknown API key")
+            raise RequestError(grpc.StatusCode.UNAUTHENTICATED, "unknown API key")
         if scope is not None and scope not in principal.scopes:
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"this API key lacks the scope {scope!r}")
+            raise RequestError(grpc.StatusCode.PERMISSION_DENIED, f"this API key lacks the scope {scope!r}")
         return principal
 
 
-def _bearer(context: grpc.ServicerContext) -> str | None:
-    for name, value in context.invocation_metadata():
-        if name == "authorization" and isinstance(value, str):
+def bearer_key(authorizations: Iterable[object]) -> str | None:
+    """The key of the first ``Bearer <key>`` among a call's ``authorization`` values."""
+    for value in authorizations:
+        if isinstance(value, str):
             scheme, _, token = value.partition(" ")
             if scheme.lower() == "bearer" and token.strip():
                 return token.strip()
@@ -174,11 +185,37 @@ class LimitExceeded(Exception):
     """A tenant's limit would be passed (RESOURCE_EXHAUSTED)."""
 
 
+_LIMITS = "per-tenant limits (0: none; past one, RESOURCE_EXHAUSTED naming it)"
+
+
 @dataclass(frozen=True)
 class TenantLimits:
-    max_concurrent_requests: int = 0
-    max_templates: int = 0
-    max_pinned_blocks: int = 0
+    """Each tenant's limits: ``kvd-gateway``'s settings of the same names."""
+
+    max_concurrent_requests: int = setting(
+        "--max-concurrent-requests",
+        env="KVD_MAX_CONCURRENT_REQUESTS",
+        type=click.INT,
+        default=0,
+        section=_LIMITS,
+        help="requests a tenant runs at once, per gateway",
+    )
+    max_templates: int = setting(
+        "--max-templates",
+        env="KVD_MAX_TEMPLATES",
+        type=click.INT,
+        default=0,
+        section=_LIMITS,
+        help="templates a tenant keeps",
+    )
+    max_pinned_blocks: int = setting(
+        "--max-pinned-blocks",
+        env="KVD_MAX_PINNED_BLOCKS",
+        type=click.INT,
+        default=0,
+        section=_LIMITS,
+        help="cache blocks a tenant's templates pin (a template pins token_count // block_size blocks)",
+    )
 
     def __post_init__(self) -> None:
         for name in ("max_concurrent_requests", "max_templates", "max_pinned_blocks"):

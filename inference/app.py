@@ -6,53 +6,18 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import torch
 
 from inference import attention, model_identity, model_store, model_support
-from inference.engine import Engine, EngineConfig
+from inference.config import EngineConfig, EngineSettings
+from inference.engine import Engine
 from inference.service import EngineService, ModelInfo, build_server
 from kvd.common.client import DaemonClient, DaemonSession
 from kvd.common.layout import CacheLayout
 
 log = logging.getLogger("inference.app")
-
-CUDA_GRAPHS = ("auto", "on", "off")
-
-
-@dataclass(frozen=True)
-class EngineSettings:
-    """Everything one engine process is configured with (the CLI fills it)."""
-
-    model: str = "smollm2"
-    model_cache_dir: Path | None = None
-    dtype: str | None = None  # None: float32 on CPU, bfloat16 on GPU
-    device: str = "auto"
-    kvd_address: str = ""
-    kvd_token: str | None = None  # what the daemon's TCP listener needs
-    listen: str = "127.0.0.1:50052"
-    token_budget: int = 512
-    max_num_seqs: int = 64
-    max_open_requests: int = 256  # Generate and Warm calls at once; more are refused
-    attention_backend: str = "auto"
-    prefix_caching: bool = True
-    cuda_graphs: str = "auto"  # auto: on with CUDA and the triton backend; on; off
-    drain_timeout_s: float = 30.0  # how long a drain lets running requests finish
-
-    def __post_init__(self) -> None:
-        if self.attention_backend not in ("auto", *attention.BACKENDS):
-            choices = ", ".join(("auto", *attention.BACKENDS))
-            raise ValueError(f"attention_backend must be one of {choices}, got {self.attention_backend!r}")
-        if self.cuda_graphs not in CUDA_GRAPHS:
-            raise ValueError(f"cuda_graphs must be one of {', '.join(CUDA_GRAPHS)}, got {self.cuda_graphs!r}")
-        if not self.kvd_address:
-            raise ValueError("kvd_address must be set (unix:PATH or HOST:PORT)")
-        if self.drain_timeout_s < 0:
-            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
-        if self.max_open_requests < 1:
-            raise ValueError(f"max_open_requests must be >= 1, got {self.max_open_requests}")
 
 
 @dataclass(frozen=True)
@@ -147,7 +112,7 @@ class EngineApp:
             started = time.monotonic()
             deadline = started + (timeout_s or self.settings.drain_timeout_s)
             self.server.set_serving(False)  # first: routers stop sending new work
-            self.engine.drain("the engine is draining (being replaced or stopped); retry on another replica")
+            self.engine.start_draining("the engine is draining (being replaced or stopped); retry on another replica")
             log.info("engine draining", extra={"timeout_s": round(deadline - started, 1)})
             cut_short = 0
             while self.engine.busy and time.monotonic() < deadline:
@@ -193,7 +158,7 @@ class EngineApp:
 
 
 def _use_cuda_graphs(setting: str, device: str, backend: str) -> bool:
-    """Whether the engine captures CUDA graphs (``setting``: one of ``CUDA_GRAPHS``).
+    """Whether the engine captures CUDA graphs (``setting``: one of ``inference.config.CUDA_GRAPHS``).
 
     Raises:
         ValueError: ``on`` where graphs cannot run.

@@ -41,13 +41,14 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from inference.config import EngineConfig
 from inference.cuda_graphs import CudaGraphCapture, EagerStandIn, GraphPlan, capture_graphs
 from inference.load import LoadBoard, LoadReport, PrefillRate
 from inference.model_runner import NO_MARK, ForwardMark, ModelRunner
 from inference.requests import Finish, RequestTable, Sequence, Work
 from inference.sampling import Sampler, make_generator
 from inference.step_inputs import Chunk
-from inference.streams import SampledToken, StreamWriter
+from inference.streams import SampledToken, StreamWriter, TopLogprobs
 from kvd.common.client import DaemonSession, LeaseLapsed
 
 log = logging.getLogger("inference.engine")
@@ -68,37 +69,33 @@ class Forward:
         return {w.seq.request_id for w in self.work}
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    """Attributes:
-    max_num_seqs: the most sequences running at once.
-    token_budget: the most tokens computed in one step (chunked prefill).
-    reattach_interval_s: how often to try the daemon again after losing it.
-    """
-
-    max_num_seqs: int = 64
-    token_budget: int = 512
-    reattach_interval_s: float = 0.5
-    idle_poll_s: float = 0.002  # between Steps while all our requests wait (the pool is full)
-    # Send the Step for step N+1 before reading forward N's results. It pays
-    # where the forward runs asynchronously (a GPU); on the CPU the forward is
-    # done before the next Step anyway, and lagging commits would only delay
-    # the requests waiting for a shared prefix's blocks by a step.
-    pipelined: bool = False
-    # Replay CUDA graphs of the steps that fit a bucket (inference/cuda_graphs.py),
-    # captured again after each attach; only the Triton backend is graphed.
-    cuda_graphs: bool = False
-    max_context: int = 0  # the model's context (tokens): sizes the graphs' block table (0: the whole cache)
-
-    def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.token_budget < 1:
-            raise ValueError(f"token_budget must be >= 1, got {self.token_budget}")
-
-
 class EngineUnavailable(Exception):
     """The engine has no daemon session right now."""
+
+
+# What other threads ask of the loop, through its inbox.
+
+
+@dataclass(frozen=True, slots=True)
+class _Add:
+    seq: Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class _HandBack:
+    """End the requests that streamed nothing yet (all of them: ``everything``) with ``message``."""
+
+    message: str
+    everything: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Cancel:
+    request_id: str
+    finish: Finish
+
+
+_InboxMessage = _Add | _HandBack | _Cancel
 
 
 class Engine:
@@ -136,7 +133,7 @@ class Engine:
         self.requests = RequestTable(config.max_num_seqs, config.token_budget)
         self.sampler = Sampler()
         self.streams = StreamWriter(tokenizer, on_stop=lambda request_id: self.cancel(request_id, Finish.STOP))
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_InboxMessage] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._forward: Forward | None = None  # in flight: its results are read after the next Step
@@ -150,7 +147,7 @@ class Engine:
         self._free_blocks = 0
         self.num_preempted = 0  # requests the daemon preempted, summed over steps
         self.num_handed_back = 0  # requests ended before their first token by a drain
-        self.draining: str | None = None  # set by drain(): why new requests are refused
+        self.draining: str | None = None  # set by start_draining(): why new requests are refused
         self.fatal: str | None = None  # set when the engine can never serve; the process should exit
 
     # ------------------------------------------------------------ public
@@ -176,21 +173,21 @@ class Engine:
             raise EngineUnavailable(self.draining)
         if not self.healthy:
             raise EngineUnavailable("the engine is not attached to the KV-cache daemon")
-        self._inbox.put(("add", seq))
+        self._inbox.put(_Add(seq))
         self._wake.set()
 
-    def drain(self, message: str) -> None:
+    def start_draining(self, message: str) -> None:
         """Stops taking requests (``submit`` raises ``EngineUnavailable(message)``)
         and hands back every request that has streamed nothing yet: it ends
         with ``message`` as an error before its first token, which a router
         retries on another replica. The others run to their end."""
         self.draining = message
-        self._inbox.put(("hand_back", (message, False)))
+        self._inbox.put(_HandBack(message, everything=False))
         self._wake.set()
 
     def end_all(self, message: str) -> None:
         """Ends every request now with ``message`` as an error (a drain out of time)."""
-        self._inbox.put(("hand_back", (message, True)))
+        self._inbox.put(_HandBack(message, everything=True))
         self._wake.set()
 
     @property
@@ -201,7 +198,7 @@ class Engine:
     def cancel(self, request_id: str, finish: Finish = Finish.CANCELLED) -> None:
         """Stops a sequence; safe from any thread, for finished ones too.
         ``finish``: the reason it reports (a stop string: STOP)."""
-        self._inbox.put(("cancel", (request_id, finish)))
+        self._inbox.put(_Cancel(request_id, finish))
         self._wake.set()
 
     # -------------------------------------------------------------- loop
@@ -214,7 +211,7 @@ class Engine:
             if self.session.lost is not None:  # seen by a heartbeat while we were idle
                 self._lost_daemon(f"the KV-cache daemon is unavailable ({self.session.lost})")
                 continue
-            self._drain_inbox()
+            self._take_inbox()
             self._publish_load()
             if not self.requests.has_work and self._forward is None:
                 self._wake.wait(0.5)
@@ -249,13 +246,13 @@ class Engine:
         if reply.preempted:
             self.num_preempted += len(reply.preempted)
             log.info("preempted to make room; they will recompute", extra={"requests": list(reply.preempted)})
-        work, released = self.requests.apply(reply)
+        step = self.requests.apply_step_reply(reply)
         self._forward = None
         if previous is not None:
             self._read_results(previous)
-        for seq in released:  # their commits and frees are in the daemon now
+        for seq in step.released:  # their commits and frees are in the daemon now
             self.streams.finished(seq)
-        work = [w for w in work if not w.seq.is_finished]  # finished by the results just read
+        work = [w for w in step.work if not w.seq.is_finished]  # finished by the results just read
         if not work:
             return previous is not None
         if reply.copy_events:  # host-tier blocks still being copied into the cache (CUDA)
@@ -329,12 +326,12 @@ class Engine:
 
     def _publish_load(self) -> None:
         rate = self.prefill_rate
-        queued_tokens, waiting = self.requests.load()
+        backlog = self.requests.backlog()
         self.load.publish(
             LoadReport(
-                queued_tokens=queued_tokens,
-                waiting=waiting,
-                running=len(self.requests.seqs) - waiting,
+                queued_tokens=backlog.queued_tokens,
+                waiting=backlog.waiting,
+                running=len(self.requests.seqs) - backlog.waiting,
                 free_blocks=self._free_blocks,
                 forward_s=rate.forward_s if rate.known else 0.0,
                 token_s=rate.token_s if rate.known else 0.0,
@@ -342,9 +339,7 @@ class Engine:
             )
         )
 
-    def _append_token(
-        self, seq: Sequence, token: int, logprob: float, top: tuple[list[int], list[float]] | None
-    ) -> SampledToken:
+    def _append_token(self, seq: Sequence, token: int, logprob: float, top: TopLogprobs | None) -> SampledToken:
         """Takes a sampled token; ends the sequence on EOS, a stop token or its
         length (stop strings: ``inference.streams``). Returns its stream entry."""
         if seq.first_token_s is None:
@@ -361,26 +356,28 @@ class Engine:
         self.requests.sampled(seq, token)
         if seq.finish is not None:
             self._finished(seq)
-        return seq, token, logprob, top, seq.finish is not None
+        return SampledToken(seq, token, logprob, top, final=seq.finish is not None)
 
     def _finished(self, seq: Sequence) -> None:
         self.requests.finished(seq)
 
-    def _drain_inbox(self) -> None:
+    def _take_inbox(self) -> None:
+        """Acts on every message other threads sent so far."""
         while True:
             try:
-                kind, item = self._inbox.get_nowait()
+                message = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
-                item.generator = make_generator(item.params.seed)
-                self.requests.add(item)
-            elif kind == "hand_back":
-                self._hand_back(*item)
-            else:
-                seq = self.requests.cancel(*item)
-                if seq is not None:  # the daemon never heard of it
-                    self.streams.finished(seq)
+            match message:
+                case _Add(seq):
+                    seq.generator = make_generator(seq.params.seed)
+                    self.requests.add(seq)
+                case _HandBack(reason, everything):
+                    self._hand_back(reason, everything)
+                case _Cancel(request_id, finish):
+                    dropped = self.requests.cancel(request_id, finish)
+                    if dropped is not None:  # the daemon never heard of it
+                        self.streams.finished(dropped)
 
     def _hand_back(self, message: str, everything: bool) -> None:
         """Ends the requests that streamed nothing yet (all of them: ``everything``) with an error."""
@@ -442,7 +439,7 @@ class Engine:
     def _lost_daemon(self, message: str) -> None:
         """Ends every request with an error, never with wrong tokens."""
         log.error("lost the KV-cache daemon; failing in-flight requests", extra={"error": message})
-        self._drain_inbox()
+        self._take_inbox()
         self._forward = self._unwaited = None
         for seq in self.requests.drop_all():
             if seq.finish not in (None, Finish.ERROR):

@@ -23,11 +23,15 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from itertools import accumulate
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from inference.sampling import SamplingParams
 from kvd_api.daemon.v1 import daemon_pb2 as pb
+
+if TYPE_CHECKING:
+    from inference.streams import StreamEvent
 
 #: Prompt tokens sent in one Step at most (at least one request goes): a burst
 #: of long prompts is spread over Steps, each far below gRPC's 4 MB message
@@ -59,8 +63,8 @@ class Sequence:
         priority: smaller runs first (the daemon orders by it, then arrival).
         num_cached_prompt: prompt tokens served from the cache at admission.
         prefill_only: a warm-up: stop once the prompt is in the cache.
-        events: what the gRPC handler streams out: (token ids, logprobs) tuples,
-            then a final ``None``.
+        events: what the gRPC handler streams out (``inference.streams``):
+            ``StreamTokens``, then one ``StreamFinished`` or ``StreamError``.
     """
 
     request_id: str
@@ -83,7 +87,7 @@ class Sequence:
     generator: torch.Generator | None = None
     arrival_s: float = field(default_factory=time.monotonic)
     first_token_s: float | None = None
-    events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    events: queue.SimpleQueue[StreamEvent] = field(default_factory=queue.SimpleQueue)
 
     @property
     def all_ids(self) -> list[int]:
@@ -110,6 +114,20 @@ class Work:
     @property
     def end(self) -> int:
         return self.first + self.num_tokens
+
+
+class StepWork(NamedTuple):
+    """What a Step's reply hands the engine."""
+
+    work: list[Work]  # this step's chunks (finished sequences left out)
+    released: list[Sequence]  # sequences whose blocks the daemon freed; the table forgot them
+
+
+class Backlog(NamedTuple):
+    """What a new request queues behind (load reports)."""
+
+    queued_tokens: int  # prompt tokens still to compute
+    waiting: int  # sequences the daemon has not admitted yet (or preempted)
 
 
 class RequestTable:
@@ -145,7 +163,7 @@ class RequestTable:
         """Ends a sequence early (``finish``: the reason it reports). Returns it
         when it can be dropped at once (the daemon never heard of it);
         otherwise its free is reported in a coming Step and it comes back
-        through ``apply`` as released."""
+        through ``apply_step_reply`` as released."""
         seq = self.seqs.get(request_id)
         if seq is None or request_id in self._finished:
             return None
@@ -211,7 +229,7 @@ class RequestTable:
         msg.finished.extend(done)
         return msg
 
-    def apply(self, reply: pb.StepResponse) -> tuple[list[Work], list[Sequence]]:
+    def apply_step_reply(self, reply: pb.StepResponse) -> StepWork:
         """Takes the daemon's answer.
 
         Returns:
@@ -246,9 +264,9 @@ class RequestTable:
             seq.block_table.extend(block_ids[offsets[i] : offsets[i + 1]])
             if not seq.is_finished:
                 work.append(Work(seq, first, num_tokens, cached))
-        return work, released
+        return StepWork(work, released)
 
-    def load(self) -> tuple[int, int]:
+    def backlog(self) -> Backlog:
         """What a new request queues behind, in one pass: the prompt tokens
         still to compute (the rest of each prefilling sequence, and of each
         waiting one what its daemon did not hold when it came), and the
@@ -258,7 +276,7 @@ class RequestTable:
             waiting += not s.block_table
             if not s.output_ids and not s.is_finished:
                 queued += len(s.prompt_ids) - max(s.num_computed, s.expected_cached)
-        return queued, waiting
+        return Backlog(queued, waiting)
 
     def drop_all(self) -> list[Sequence]:
         """Forgets every sequence (the daemon is gone); returns them."""

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvd.common.field_error import FieldError
+
 MAX_TOP_LOGPROBS = 20
 
 
@@ -43,17 +45,19 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+            raise FieldError("temperature", f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+            raise FieldError("top_k", f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise FieldError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+            raise FieldError("max_new_tokens", f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+            raise FieldError(
+                "top_logprobs", f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
+            )
         if any(not s for s in self.stop):
-            raise ValueError("stop must not contain an empty string")
+            raise FieldError("stop", "stop must not contain an empty string")
 
     @property
     def greedy(self) -> bool:

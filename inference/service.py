@@ -16,7 +16,9 @@ import grpc
 from inference.engine import Engine, EngineUnavailable
 from inference.requests import Finish, Sequence
 from inference.sampling import SamplingParams
+from inference.streams import StreamError, StreamFinished, StreamTokens
 from kvd.common.client import DaemonClient
+from kvd.common.field_error import FieldError
 from kvd.common.grpc_server import CallLimit, OpenCalls, Server, StatusTable
 from kvd.common.grpc_server import build_server as build_grpc_server
 from kvd_api.engine.v1 import engine_pb2 as pb
@@ -91,31 +93,31 @@ class EngineService(pb_grpc.EngineServicer):
         # ends; cancelling a finished sequence does nothing.
         context.add_callback(lambda: self.engine.cancel(seq.request_id))
         while True:
-            event = seq.events.get()
-            if event[0] == "tokens":
-                _, token_ids, logprobs, text, top = event
-                yield pb.GenerateResponse(
-                    request_id=response_id,
-                    token_ids=token_ids,
-                    logprobs=logprobs,
-                    text=text,
-                    top_logprobs=[pb.TopLogprobs(token_ids=ids, logprobs=lps) for ids, lps in top],
-                )
-            elif event[0] == "finished":
-                _, finish, completion_tokens = event
-                yield pb.GenerateResponse(
-                    request_id=response_id, finish_reason=_FINISH_TO_PB[finish], usage=usage(seq, completion_tokens)
-                )
-                return
-            else:
-                context.abort(grpc.StatusCode.UNAVAILABLE, event[1])
+            match seq.events.get():
+                case StreamTokens(token_ids, logprobs, text, top):
+                    yield pb.GenerateResponse(
+                        request_id=response_id,
+                        token_ids=token_ids,
+                        logprobs=logprobs,
+                        text=text,
+                        top_logprobs=[pb.TopLogprobs(token_ids=ids, logprobs=lps) for ids, lps in top],
+                    )
+                case StreamFinished(finish, completion_tokens):
+                    yield pb.GenerateResponse(
+                        request_id=response_id,
+                        finish_reason=_FINISH_TO_PB[finish],
+                        usage=usage(seq, completion_tokens),
+                    )
+                    return
+                case StreamError(message):
+                    context.abort(grpc.StatusCode.UNAVAILABLE, message)
 
     # ----------------------------------------------------- unary methods
 
     def Tokenize(self, request, context):
         kind = request.WhichOneof("input")
         if kind is None:
-            raise ValueError("input: give text or chat messages")
+            raise FieldError("input", "input: give text or chat messages")
         ids = self._chat_ids(request.chat) if kind == "chat" else self._text_ids(request.text)
         return pb.TokenizeResponse(token_ids=ids)
 
@@ -135,7 +137,7 @@ class EngineService(pb_grpc.EngineServicer):
         for _ in self._stream(seq, seq.request_id, context):
             pass
         daemon = self._daemon()
-        cached = daemon.lookup(prompt, request.cache_salt)
+        cached = daemon.device_cached_tokens(prompt, request.cache_salt)
         pinned = daemon.pin(request.pin_id, prompt, request.cache_salt) if request.pin_id else 0
         return pb.WarmResponse(cached_tokens=cached, pinned_tokens=pinned)
 
@@ -143,13 +145,13 @@ class EngineService(pb_grpc.EngineServicer):
         if self._drain is None:
             raise EngineUnavailable("this engine cannot be drained (it was not started by kvd-engine)")
         if request.timeout_s < 0:
-            raise ValueError(f"timeout_s must be >= 0, got {request.timeout_s}")
+            raise FieldError("timeout_s", f"timeout_s must be >= 0, got {request.timeout_s}")
         result = self._drain(request.timeout_s)
         return pb.DrainResponse(handed_back=result.handed_back, cut_short=result.cut_short, seconds=result.seconds)
 
     def Unpin(self, request, context):
         if not request.pin_id:
-            raise ValueError("pin_id is empty")
+            raise FieldError("pin_id", "pin_id is empty")
         return pb.UnpinResponse(unpinned_blocks=self._daemon().unpin(request.pin_id))
 
     def BlockEvents(self, request, context):
@@ -207,9 +209,9 @@ class EngineService(pb_grpc.EngineServicer):
         elif kind == "token_ids":
             ids = self._checked_ids(list(request.token_ids.ids), "prompt.token_ids")
         else:
-            raise ValueError(f"{field}: give text, chat messages or token ids")
+            raise FieldError(field, f"{field}: give text, chat messages or token ids")
         if not ids:
-            raise ValueError(f"{field} is empty")
+            raise FieldError(field, f"{field} is empty")
         return ids
 
     def _text_ids(self, text: str) -> list[int]:
@@ -217,7 +219,7 @@ class EngineService(pb_grpc.EngineServicer):
 
     def _chat_ids(self, chat) -> list[int]:
         if not chat.messages:
-            raise ValueError("chat.messages is empty")
+            raise FieldError("chat.messages", "chat.messages is empty")
         messages = [{"role": m.role, "content": m.content} for m in chat.messages]
         add_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
         encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_prompt, tokenize=True)
@@ -225,24 +227,28 @@ class EngineService(pb_grpc.EngineServicer):
 
     def _checked_ids(self, ids: list[int], field: str) -> list[int]:
         if not ids:
-            raise ValueError(f"{field} is empty")
+            raise FieldError(field, f"{field} is empty")
         vocab = self.info.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ValueError(f"{field}: token id {bad} is outside the vocabulary [0, {vocab})")
+            raise FieldError(field, f"{field}: token id {bad} is outside the vocabulary [0, {vocab})")
         return ids
 
     def _check_stop_ids(self, ids: tuple[int, ...]) -> None:
         vocab = self.info.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ValueError(f"sampling.stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
+            raise FieldError(
+                "sampling.stop_token_ids",
+                f"sampling.stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab})",
+            )
 
     def _check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         if prompt_len + max_new_tokens > self.info.max_context:
-            raise ValueError(
+            raise FieldError(
+                "prompt",
                 f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context "
-                f"of {self.info.max_context} tokens"
+                f"of {self.info.max_context} tokens",
             )
         # NOTE: a request whose blocks outnumber the whole pool would be
         # admitted, preempted when it outgrows the pool, and admitted again,
@@ -251,9 +257,10 @@ class EngineService(pb_grpc.EngineServicer):
         if num_blocks and block_size:
             needed = -(-(prompt_len + max_new_tokens) // block_size)
             if needed > num_blocks:
-                raise ValueError(
+                raise FieldError(
+                    "prompt",
                     f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) need {needed} KV blocks of "
-                    f"{block_size} tokens; the KV cache holds {num_blocks} in all"
+                    f"{block_size} tokens; the KV cache holds {num_blocks} in all",
                 )
 
 
@@ -284,11 +291,11 @@ def tokenizer_files(tokenizer) -> dict[str, bytes]:
 
 
 def sampling_params(msg: pb.SamplingParams) -> SamplingParams:
-    """Raises ``ValueError`` naming the field (``sampling.top_p``, ...) on a bad value."""
+    """Raises ``FieldError`` naming the field (``sampling.top_p``, ...) on a bad value."""
     try:
         return _sampling_params(msg)
-    except ValueError as exc:
-        raise ValueError(f"sampling.{exc}") from None
+    except FieldError as exc:
+        raise exc.within("sampling") from None
 
 
 def _sampling_params(msg: pb.SamplingParams) -> SamplingParams:

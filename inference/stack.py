@@ -29,8 +29,10 @@ import click
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.cli import HTTP_LISTEN
+from gateway.config import GatewaySettings
 from kvd.common.children import stop_with_parent
+from kvd.common.config_fields import setting_of
+from kvd.common.defaults import ENGINE_ADDRESS, GATEWAY_ADDRESS
 from kvd.common.settings import SOCKET, Setting, SettingsCommand, parse
 
 COMMAND = SettingsCommand(
@@ -40,7 +42,7 @@ COMMAND = SettingsCommand(
         Setting(
             "--engine",
             env="KVD_ENGINE_ADDR",
-            default="127.0.0.1:50052",
+            default=ENGINE_ADDRESS,
             help="the first engine's address (the others take the next ports)",
         ),
         Setting(
@@ -51,8 +53,8 @@ COMMAND = SettingsCommand(
             default=1,
             help="engine processes sharing the daemon's cache (SIGHUP replaces them one at a time)",
         ),
-        Setting("--gateway", env="KVD_GATEWAY_ADDR", default="127.0.0.1:50051", help="the public gateway's address"),
-        HTTP_LISTEN,  # the gateway's own: kvd-serve passes it on
+        Setting("--gateway", env="KVD_GATEWAY_ADDR", default=GATEWAY_ADDRESS, help="the public gateway's address"),
+        setting_of(GatewaySettings, "http_listen"),  # the gateway's own: kvd-serve passes it on
         SOCKET,  # the daemon's own: kvd-serve hands it to the daemon and the engines
     ],
 )

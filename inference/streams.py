@@ -5,9 +5,9 @@ on launching; this module's thread turns them into text (incremental
 detokenizing, stop strings) and puts the messages on each request's
 ``events`` queue, which its handler streams out:
 
-    ("tokens", token_ids, logprobs, text, top_logprobs)   as tokens are sampled
-    ("finished", Finish, completion_tokens)               after the daemon freed its blocks
-    ("error", message)                                    the daemon was lost mid-request
+    StreamTokens(token_ids, logprobs, text, top_logprobs)   as tokens are sampled
+    StreamFinished(finish, completion_tokens)               after the daemon freed its blocks
+    StreamError(message)                                    the daemon was lost mid-request
 
 Every message of a request goes through this thread, in the order the loop
 sent it, so a request's tokens always come before its end.
@@ -26,15 +26,87 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from inference.detokenizer import IncrementalDetokenizer
 from inference.requests import Finish, Sequence
 
 log = logging.getLogger("inference.streams")
 
-#: One sampled token: (sequence, token id, its logprob, (top ids, top
-#: logprobs) or None, whether the loop ended the sequence with it).
-SampledToken = tuple[Sequence, int, float, "tuple[list[int], list[float]] | None", bool]
+#: A token's most likely alternatives: (their ids, their logprobs).
+TopLogprobs = tuple[list[int], list[float]]
+
+# NOTE: the per-token values below are NamedTuples, not frozen dataclasses:
+# the loop makes one per sampled token and this thread one per streamed
+# token, and a NamedTuple costs a third of a frozen dataclass to make.
+
+
+class SampledToken(NamedTuple):
+    """One sampled token, as the loop hands it over."""
+
+    seq: Sequence
+    token: int
+    logprob: float
+    top: TopLogprobs | None  # None: the request asked for no top logprobs
+    final: bool  # the loop ended the sequence with it (EOS, a stop token, its length)
+
+
+class StreamTokens(NamedTuple):
+    """Tokens for the client; ``logprobs`` and ``top_logprobs`` are empty unless asked for."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str  # the text they add (a stop string's candidate text is held back)
+    top_logprobs: list[TopLogprobs]
+
+
+class StreamFinished(NamedTuple):
+    """The request's end, once the daemon freed its blocks."""
+
+    finish: Finish
+    completion_tokens: int  # tokens streamed (a stop string drops those sampled after it)
+
+
+class StreamError(NamedTuple):
+    """The request failed (the daemon was lost, a drain handed it back)."""
+
+    message: str
+
+
+#: What a request's ``events`` queue holds.
+StreamEvent = StreamTokens | StreamFinished | StreamError
+
+
+# The loop's jobs for this thread, in the order it hands them over.
+
+
+@dataclass(frozen=True, slots=True)
+class _WriteTokens:
+    batch: list[SampledToken]
+
+
+@dataclass(frozen=True, slots=True)
+class _WriteFinished:
+    seq: Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class _WriteError:
+    seq: Sequence
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Flush:
+    done: threading.Event  # set once every earlier job is written
+
+
+@dataclass(frozen=True, slots=True)
+class _Close:
+    """Ends the thread."""
+
+
+_Job = _WriteTokens | _WriteFinished | _WriteError | _Flush | _Close
 
 
 @dataclass(slots=True)
@@ -58,7 +130,7 @@ class StreamWriter:
     def __init__(self, tokenizer, on_stop: Callable[[str], None]) -> None:
         self.tokenizer = tokenizer
         self._on_stop = on_stop
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # this thread's only
         self._thread = threading.Thread(target=self._run, name="engine-streams", daemon=True)
         self._thread.start()
@@ -68,43 +140,44 @@ class StreamWriter:
     def tokens(self, batch: list[SampledToken]) -> None:
         """A step's sampled tokens, in the order they were sampled."""
         if batch:
-            self._jobs.put(("tokens", batch))
+            self._jobs.put(_WriteTokens(batch))
 
     def finished(self, seq: Sequence) -> None:
         """The daemon freed ``seq``'s blocks (or never had any): its last message."""
-        self._jobs.put(("finished", seq))
+        self._jobs.put(_WriteFinished(seq))
 
     def error(self, seq: Sequence, message: str) -> None:
-        self._jobs.put(("error", (seq, message)))
+        self._jobs.put(_WriteError(seq, message))
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Waits until every message handed over so far is written (tests, stop)."""
         done = threading.Event()
-        self._jobs.put(("flush", done))
+        self._jobs.put(_Flush(done))
         return done.wait(timeout_s)
 
     def close(self) -> None:
-        self._jobs.put(("close", None))
+        self._jobs.put(_Close())
         self._thread.join(timeout=10)
 
     # ------------------------------------------------ the thread's side
 
     def _run(self) -> None:
         while True:
-            kind, item = self._jobs.get()
+            job = self._jobs.get()
             try:
-                if kind == "tokens":
-                    self._write_tokens(item)
-                elif kind == "finished":
-                    self._write_finished(item)
-                elif kind == "error":
-                    self._write_error(*item)
-                elif kind == "flush":
-                    item.set()
-                else:
-                    return
+                match job:
+                    case _WriteTokens(batch):
+                        self._write_tokens(batch)
+                    case _WriteFinished(seq):
+                        self._write_finished(seq)
+                    case _WriteError(seq, message):
+                        self._write_error(seq, message)
+                    case _Flush(done):
+                        done.set()
+                    case _Close():
+                        return
             except Exception:  # a bad tokenizer call must not silence every other stream
-                log.exception("writing a stream message failed", extra={"kind": kind})
+                log.exception("writing a stream message failed", extra={"kind": type(job).__name__})
 
     def _write_tokens(self, batch: list[SampledToken]) -> None:
         for seq, token, logprob, top, final in batch:
@@ -124,8 +197,8 @@ class StreamWriter:
             elif final:
                 text += detokenizer.finish()
             stream.emitted += 1
-            params = seq.params
-            seq.events.put(("tokens", [token], [logprob] if params.logprobs else [], text, [top] if top else []))
+            logprobs = [logprob] if seq.params.logprobs else []
+            seq.events.put(StreamTokens([token], logprobs, text, [top] if top else []))
 
     def _write_finished(self, seq: Sequence) -> None:
         if seq.finish is Finish.ERROR:  # ended early on purpose (a drain hands it back)
@@ -133,10 +206,10 @@ class StreamWriter:
             return
         stream = self._streams.pop(seq.request_id, None)
         if stream is None:
-            seq.events.put(("finished", seq.finish, 0))
+            seq.events.put(StreamFinished(seq.finish, 0))
             return
-        seq.events.put(("finished", stream.stopped or seq.finish, stream.emitted))
+        seq.events.put(StreamFinished(stream.stopped or seq.finish, stream.emitted))
 
     def _write_error(self, seq: Sequence, message: str) -> None:
         self._streams.pop(seq.request_id, None)
-        seq.events.put(("error", message))
+        seq.events.put(StreamError(message))

@@ -13,12 +13,13 @@ import logging
 import threading
 import uuid
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
 from kvd.block import Block
 from kvd.block_pool import DISK, BlockEvent, BlockPool, BlockRemoved
-from kvd.cache_manager import KVCacheManager
+from kvd.cache_manager import KVCacheManager, Offload, SwapIn
 from kvd.common.hashing import BlockHasher, encode_extra_keys, pack_tokens
 from kvd.common.identity import ModelIdentity
 from kvd.common.layout import CacheLayout
@@ -29,10 +30,25 @@ from kvd.disk_store import DiskStore
 from kvd.disk_tier import DiskTier
 from kvd.errors import PreconditionError
 from kvd.host_tier import HostTier
-from kvd.offload import Offload, SwapIn, TierCopier
+from kvd.offload import TierCopier
 from kvd.pins import PinRegistry
 
 log = logging.getLogger("kvd.cache")
+
+
+class CachedPrefix(NamedTuple):
+    """How much of a prompt's leading blocks each tier holds (the Lookup RPC's answer)."""
+
+    device_hashes: list[bytes]  # the leading blocks' hashes cached on the device
+    num_host_blocks: int  # blocks after those that the host tier holds
+    num_disk_blocks: int  # blocks after those that the disk tier holds
+
+
+class InspectedBlock(NamedTuple):
+    """A block as the daemon sees it (the InspectBlock RPC's answer)."""
+
+    block: Block  # its metadata (ref_cnt, hash)
+    data_sha256: bytes  # the sha256 of its bytes, read by the daemon
 
 
 class KVCache:
@@ -147,19 +163,18 @@ class KVCache:
         assert self.host is not None
         self.host.end_read([slot for slot, _ in swap_ins])
 
-    def drain_copies(self, timeout_s: float = 60.0) -> bool:
+    def wait_for_copies(self, timeout_s: float = 60.0) -> bool:
         """Waits until every tier copy submitted so far finished. Call without the lock."""
         # NOTE: host copies first: a finished one may queue disk writes.
-        copies = self.copier is None or self.copier.drain(timeout_s)
-        return copies and (self.disk is None or self.disk.drain(timeout_s))
+        copies = self.copier is None or self.copier.wait_for_copies(timeout_s)
+        return copies and (self.disk is None or self.disk.wait_for_io(timeout_s))
 
     def block_hashes(self, token_ids: Sequence[int], cache_salt: bytes, extra_keys: Sequence[bytes]) -> list[bytes]:
         hasher = BlockHasher(encode_extra_keys(cache_salt, extra_keys), self.block_size)
         return hasher.advance(pack_tokens(token_ids))  # every id checked, the partial tail's too
 
-    def lookup(self, hashes: Sequence[bytes]) -> tuple[list[bytes], int, int]:
-        """The leading ``hashes`` cached on the device, how many blocks after
-        them the host tier holds, and how many after those the disk holds."""
+    def cached_prefix(self, hashes: Sequence[bytes]) -> CachedPrefix:
+        """What each tier holds of the blocks ``hashes`` name, from the first on."""
         on_device = len(self.pool.match_prefix(hashes))
         in_memory = len(self.manager.match_tiers(hashes))
         on_disk = 0
@@ -168,7 +183,7 @@ class KVCache:
                 if not self.disk.holds(block_hash):
                     break
                 on_disk += 1
-        return list(hashes[:on_device]), in_memory - on_device, on_disk
+        return CachedPrefix(list(hashes[:on_device]), in_memory - on_device, on_disk)
 
     def reset(self) -> int:
         """Empties every tier; returns the device blocks whose content was dropped.
@@ -190,20 +205,21 @@ class KVCache:
                 self.pool.record(BlockRemoved(tuple(removed), DISK))
         return cleared
 
-    def inspect_block(self, block_id: int) -> tuple[Block, bytes]:
+    def inspect_block(self, block_id: int) -> InspectedBlock:
         """A block's metadata and the sha256 of its bytes, read here."""
         if not 0 <= block_id < self.pool.num_blocks:
             raise ValueError(f"block_id must be in [0, {self.pool.num_blocks}), got {block_id}")
         data = self.memory.tensor[block_id].contiguous().cpu()
-        return self.pool.blocks[block_id], hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).digest()
+        digest = hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).digest()
+        return InspectedBlock(self.pool.blocks[block_id], digest)
 
     def stop_copies(self) -> None:
         """Finishes the tier copies in flight and stops the copier. Call without the lock."""
         if self.copier is not None:
-            self.copier.drain(timeout_s=10)
+            self.copier.wait_for_copies(timeout_s=10)
             self.copier.close()
         if self.disk is not None:
-            self.disk.drain(timeout_s=10)
+            self.disk.wait_for_io(timeout_s=10)
             self.disk.close()
 
     def close(self) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvd.block import Block
 from kvd.block_pool import BlockPool
@@ -28,6 +28,27 @@ class Admitted:
     first_position: int  # the first token to compute
     num_scheduled_tokens: int  # tokens to compute in this step
     blocks: list[Block]  # the whole block table, hits first
+
+
+class Offload(NamedTuple):
+    """A newly cached device block to copy into the host slot reserved for it."""
+
+    block: Block
+    slot: HostSlot
+
+
+class SwapIn(NamedTuple):
+    """A host-tier hit to copy into the device block given for it."""
+
+    slot: HostSlot
+    block: Block
+
+
+class TierCopies(NamedTuple):
+    """The copies queued since the last ``take_copies`` (kvd.offload runs them)."""
+
+    offloads: list[Offload]
+    swap_ins: list[SwapIn]
 
 
 class Deferred:
@@ -64,8 +85,8 @@ class KVCacheManager:
         self.disk: DiskTier | None = None  # set once the cache's model is known
         # Copies the caller must run after this call (see take_copies): new
         # full blocks to the host tier, host hits back to their new blocks.
-        self.offloads: list[tuple[Block, HostSlot]] = []
-        self.swap_ins: list[tuple[HostSlot, Block]] = []
+        self.offloads: list[Offload] = []
+        self.swap_ins: list[SwapIn] = []
         # The next block each running request will compute, by hash, while
         # it has known blocks left to compute: a newcomer whose next block is
         # one of these waits for it to be committed instead of computing a
@@ -80,7 +101,7 @@ class KVCacheManager:
         self.host_hit_tokens = 0
         self.disk_hit_tokens = 0
 
-    # ----------------------------------------------------------- lookups
+    # ----------------------------------------------------------- queries
 
     def new_request(
         self,
@@ -96,7 +117,7 @@ class KVCacheManager:
         hasher = BlockHasher(encode_extra_keys(cache_salt, extra_keys), self.block_size)
         return Request(request_id=request_id, token_ids=tokens, hasher=hasher, block_hashes=hasher.advance(tokens))
 
-    def lookup(self, block_hashes: Sequence[bytes]) -> int:
+    def device_cached_tokens(self, block_hashes: Sequence[bytes]) -> int:
         """Cached leading tokens (block-aligned) on the device for these hashes; no change."""
         return len(self.pool.match_prefix(block_hashes)) * self.block_size
 
@@ -212,14 +233,14 @@ class KVCacheManager:
         assert self.host is not None
         fresh = iter(new_blocks)
         table: list[Block] = []
-        swap_ins: list[tuple[HostSlot, Block]] = []
+        swap_ins: list[SwapIn] = []
         swapped_hashes: list[bytes] = []
         for position, source in enumerate(cached):
             if isinstance(source, Block):
                 table.append(source)
                 continue
             block = next(fresh)
-            swap_ins.append((source, block))
+            swap_ins.append(SwapIn(source, block))
             swapped_hashes.append(hashes[position])
             table.append(block)
         table.extend(fresh)
@@ -315,13 +336,13 @@ class KVCacheManager:
             slot = self.host.reserve(block.block_hash)
             if slot is not None:
                 self.pool.hold_for_copy(block)
-                self.offloads.append((block, slot))
+                self.offloads.append(Offload(block, slot))
 
-    def take_copies(self) -> tuple[list[tuple[Block, HostSlot]], list[tuple[HostSlot, Block]]]:
-        """The copies queued since the last call: (offloads, swap-ins)."""
-        offloads, swap_ins = self.offloads, self.swap_ins
+    def take_copies(self) -> TierCopies:
+        """The copies queued since the last call."""
+        copies = TierCopies(self.offloads, self.swap_ins)
         self.offloads, self.swap_ins = [], []
-        return offloads, swap_ins
+        return copies
 
     def free(self, request: Request, fence: list[Block] | None = None) -> None:
         """Gives back every block of a finished, cancelled or preempted request.

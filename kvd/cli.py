@@ -1,8 +1,9 @@
 """`kvd`: runs the KV-cache daemon.
 
-Its settings are declared once, in ``COMMAND`` (see ``kvd.common.settings``): each
-flag with the environment variable that sets it (for containers), read here,
-once, into a ``DaemonConfig``, and nowhere deeper.
+Its settings are declared once: the cache's on the fields of ``DaemonConfig``
+(``kvd/config.py``), where their values live, and the listener's here, in
+``COMMAND``. Each flag comes with the environment variable that sets it (for
+containers); both are read here, once, and nowhere deeper.
 """
 
 from __future__ import annotations
@@ -19,23 +20,13 @@ from types import SimpleNamespace
 import click
 
 from kvd.common import logs
-from kvd.common.settings import (
-    SIZE,
-    SOCKET,
-    Setting,
-    SettingsCommand,
-    log_level,
-    parse,
-    refuse_retired_variables,
-)
+from kvd.common.config_fields import config_from, settings_of
+from kvd.common.settings import SOCKET, Setting, SettingsCommand, log_level, parse, refuse_retired_variables
+from kvd.config import DaemonConfig
 
 log = logging.getLogger("kvd")
 
 _LISTENING = "listening"
-_CACHE = "cache"
-_HOST_TIER = "host tier (offload to host memory; off by default)"
-_DISK_TIER = "disk tier (blocks kept on disk across restarts; off by default, needs the host tier)"
-_LAYOUT = "layout (optional: otherwise the first engine's model decides)"
 
 COMMAND = SettingsCommand(
     "kvd",
@@ -69,162 +60,10 @@ COMMAND = SettingsCommand(
             section=_LISTENING,
             help="Prometheus metrics HTTP port on 127.0.0.1; 0: none",
         ),
-        Setting(
-            "--block-size", env="KVD_BLOCK_SIZE", type=click.INT, default=16, section=_CACHE, help="tokens per block"
-        ),
-        Setting(
-            "--num-blocks",
-            env="KVD_NUM_BLOCKS",
-            type=click.INT,
-            default=0,
-            section=_CACHE,
-            help="blocks in the cache; 0: fill the memory budget",
-        ),
-        Setting(
-            "--memory-budget",
-            env="KVD_MEMORY_BUDGET",
-            type=SIZE,
-            default="1GiB",
-            section=_CACHE,
-            help="cache size when --num-blocks is 0 (on CPU a file in --shm-dir, which must have room for it)",
-        ),
-        Setting(
-            "--device",
-            env="KVD_DEVICE",
-            default="auto",
-            section=_CACHE,
-            help="auto, cpu (a shared-memory file) or cuda[:N] (one allocation exported by CUDA IPC handle); "
-            "auto picks cuda if present",
-        ),
-        Setting("--shm-dir", env="KVD_SHM_DIR", default="/dev/shm", section=_CACHE, help="shared-memory folder"),
-        Setting(
-            "--max-pinned-fraction",
-            env="KVD_MAX_PINNED_FRACTION",
-            type=click.FLOAT,
-            default=0.5,
-            section=_CACHE,
-            help="share of blocks pins may hold (past it, RESOURCE_EXHAUSTED)",
-        ),
-        Setting(
-            "--lease-s",
-            env="KVD_LEASE_S",
-            type=click.FLOAT,
-            default=5.0,
-            section=_CACHE,
-            help="release a session not heard from for this long",
-        ),
-        Setting(
-            "--quarantine-s",
-            env="KVD_QUARANTINE_S",
-            type=click.FLOAT,
-            default=30.0,
-            section=_CACHE,
-            help="keep a lapsed session's blocks out of reuse this long when its engine's process "
-            "cannot be seen from here (another container or host)",
-        ),
-        Setting(
-            "--no-prefix-caching",
-            env="KVD_NO_PREFIX_CACHING",
-            is_flag=True,
-            default=False,
-            section=_CACHE,
-            help="never serve cache hits",
-        ),
-        Setting(
-            "--host-num-blocks",
-            env="KVD_HOST_NUM_BLOCKS",
-            type=click.INT,
-            default=0,
-            section=_HOST_TIER,
-            help="blocks in the host tier; 0: as many as --host-memory-budget holds",
-        ),
-        Setting(
-            "--host-memory-budget",
-            env="KVD_HOST_MEMORY_BUDGET",
-            type=SIZE,
-            default="0",
-            section=_HOST_TIER,
-            help="host tier size when --host-num-blocks is 0, e.g. 8GiB; 0: no host tier",
-        ),
-        Setting(
-            "--disk-path",
-            env="KVD_DISK_PATH",
-            section=_DISK_TIER,
-            help="the disk tier's folder: blocks entering the host tier are written here and served again after "
-            "a restart, under a folder per model and layout; empty: no disk tier",
-        ),
-        Setting(
-            "--disk-budget",
-            env="KVD_DISK_BUDGET",
-            type=SIZE,
-            default="8GiB",
-            section=_DISK_TIER,
-            help="what the disk tier's files may take together (least recently used evicted first, other "
-            "models' and layouts' before any)",
-        ),
-        Setting(
-            "--disk-remove-others",
-            env="KVD_DISK_REMOVE_OTHERS",
-            is_flag=True,
-            default=False,
-            section=_DISK_TIER,
-            help="at start, delete the blocks of other models, layouts and formats under --disk-path",
-        ),
-        Setting(
-            "--num-layers",
-            env="KVD_NUM_LAYERS",
-            type=click.INT,
-            default=0,
-            section=_LAYOUT,
-            help="create the cache at start with this many layers (and the three below); 0: at the first attach",
-        ),
-        Setting("--num-kv-heads", env="KVD_NUM_KV_HEADS", type=click.INT, default=0, section=_LAYOUT, help="KV heads"),
-        Setting("--head-dim", env="KVD_HEAD_DIM", type=click.INT, default=0, section=_LAYOUT, help="head dimension"),
-        Setting(
-            "--cache-dtype",
-            env="KVD_CACHE_DTYPE",
-            default="float32",
-            section=_LAYOUT,
-            help="the cache's dtype with --num-layers; otherwise the first engine's model dtype",
-        ),
+        *settings_of(DaemonConfig),
         log_level(),
     ],
 )
-
-
-def _resolve_device(device: str) -> str:
-    if device != "auto":
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def config_from(args: SimpleNamespace):
-    """The daemon's config from its settings' values (ValueError: an invalid combination)."""
-    from kvd.common.layout import CacheLayout
-    from kvd.config import DaemonConfig
-
-    layout = None
-    if args.num_layers or args.num_kv_heads or args.head_dim:
-        layout = CacheLayout(args.num_layers, args.num_kv_heads, args.head_dim, args.block_size, args.cache_dtype)
-    return DaemonConfig(
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        memory_budget_bytes=args.memory_budget,
-        device=_resolve_device(args.device),
-        shm_dir=args.shm_dir,
-        max_pinned_fraction=args.max_pinned_fraction,
-        lease_s=args.lease_s,
-        quarantine_s=args.quarantine_s,
-        enable_caching=not args.no_prefix_caching,
-        model_layout=layout,
-        host_num_blocks=args.host_num_blocks,
-        host_memory_budget_bytes=args.host_memory_budget,
-        disk_path=args.disk_path,
-        disk_budget_bytes=args.disk_budget,
-        disk_remove_others=args.disk_remove_others,
-    )
 
 
 def _prepare_socket(path: str) -> None:
@@ -285,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvd.service import build_server
 
     try:
-        daemon = Daemon(config_from(args))
+        daemon = Daemon(config_from(DaemonConfig, args))
     except ValueError as exc:
         print(f"kvd: {exc}", file=sys.stderr)
         return 2

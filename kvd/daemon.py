@@ -16,9 +16,9 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
-from kvd.block import Block
-from kvd.cache import KVCache
+from kvd.cache import CachedPrefix, InspectedBlock, KVCache
 from kvd.common.identity import ModelIdentity
 from kvd.common.layout import CacheLayout
 from kvd.common.memory import KVMemory
@@ -37,6 +37,13 @@ log = logging.getLogger("kvd.daemon")
 Clock = Callable[[], float]
 
 
+class Attachment(NamedTuple):
+    """A new session and the cache's memory its engine maps."""
+
+    session: Session
+    memory: KVMemory
+
+
 class Daemon:
     """The KV-cache daemon's whole state. Thread-safe.
 
@@ -49,7 +56,7 @@ class Daemon:
     def __init__(self, config: DaemonConfig, clock: Clock = time.monotonic) -> None:
         self.config = config
         self.lock = threading.Lock()
-        self.sessions = SessionRegistry(config.lease_s)
+        self.sessions = SessionRegistry(config.lease_s, clock)
         self.quarantine = Quarantine(config.quarantine_s)
         self.events = EventHub(self._cached_hashes)
         self.cache: KVCache | None = None
@@ -92,7 +99,7 @@ class Daemon:
         model_layout: CacheLayout | None,
         process: ProcessIdentity | None = None,
         model: ModelIdentity | None = None,
-    ) -> tuple[Session, KVMemory]:
+    ) -> Attachment:
         """Opens a session, creating the cache from ``model_layout`` if none exists.
         ``process``: the engine's, checked if the session's lease lapses;
         ``model``: the engine's model, which must be the cache's (kvd.common.identity).
@@ -113,13 +120,13 @@ class Daemon:
                 )
             if model is not None:
                 self.cache.admit_model(model)
-            session = self.sessions.open(client_name, now=self._clock(), process=process)
+            session = self.sessions.open(client_name, process=process)
             log.info("session attached", extra={"session": session.session_id, "client": client_name})
-            return session, self.cache.memory
+            return Attachment(session, self.cache.memory)
 
     def heartbeat(self, session_id: str) -> None:
         with self.lock:
-            self.sessions.get(session_id, now=self._clock())
+            self.sessions.get(session_id)
 
     def detach(self, session_id: str) -> int:
         """Ends a session, or a lapsed one's quarantine (its engine detaches
@@ -134,7 +141,7 @@ class Daemon:
         quarantined ones that can no longer write; returns the lapsed ids."""
         with self.lock:
             now = self._clock()
-            expired = self.sessions.expired(now=now)
+            expired = self.sessions.expired()
             for session_id in expired:
                 self._lapse(session_id, now)
             for session_id, why in self.quarantine.due(now):
@@ -198,35 +205,33 @@ class Daemon:
         """One engine step: its reports applied, its next work scheduled (kvd/scheduler.py)."""
         with self.lock:
             cache = self._cache()
-            session = self.sessions.get(session_id, now=self._clock())
+            session = self.sessions.get(session_id)
             block_cap = self.sessions.fair_share(session, cache.pool.num_blocks)
             reply = run_step(cache.manager, session, msg, block_cap)
             if cache.copier is not None:
-                offloads, swap_ins = cache.manager.take_copies()
+                copies = cache.manager.take_copies()
                 # NOTE: the blocks copied out were written by this engine's
                 # forwards (done, by the Step contract; the wait makes it so on
                 # the device too); the blocks copied into may still be read or
                 # written by a forward that was in flight when they were given
                 # up (kvd.session: unsettled sessions).
-                cache.copier.copy_out(offloads, after=[msg.forward_event] if msg.forward_event else [])
-                cache.copier.copy_in(swap_ins, after=self.sessions.unsettled_forwards())
+                cache.copier.copy_out(copies.offloads, after=[msg.forward_event] if msg.forward_event else [])
+                cache.copier.copy_in(copies.swap_ins, after=self.sessions.unsettled_forwards())
                 reply.copy_events.extend(cache.copier.pending_events())
             self._publish()
             return reply
 
-    def drain_copies(self, timeout_s: float = 60.0) -> bool:
+    def wait_for_copies(self, timeout_s: float = 60.0) -> bool:
         """Waits until every tier copy submitted so far finished (tests, reset)."""
-        return self.cache is None or self.cache.drain_copies(timeout_s)
+        return self.cache is None or self.cache.wait_for_copies(timeout_s)
 
-    def lookup(
-        self, token_ids: Sequence[int], cache_salt: bytes, extra_keys: Sequence[bytes]
-    ) -> tuple[list[bytes], int, int]:
-        """The hashes of the leading blocks of ``token_ids`` cached on the
-        device, how many blocks after them the host tier holds, and how many
-        after those the disk tier holds."""
+    def cached_prefix(self, token_ids: Sequence[int], cache_salt: bytes, extra_keys: Sequence[bytes]) -> CachedPrefix:
+        """What each tier holds of ``token_ids``' leading blocks: the hashes of
+        those cached on the device, how many blocks after them the host tier
+        holds, and how many after those the disk tier holds."""
         with self.lock:
             cache = self._cache()
-            return cache.lookup(cache.block_hashes(token_ids, cache_salt, extra_keys))
+            return cache.cached_prefix(cache.block_hashes(token_ids, cache_salt, extra_keys))
 
     def pin(self, pin_id: str, token_ids: Sequence[int], cache_salt: bytes, extra_keys: Sequence[bytes]) -> int:
         """Pins the cached prefix of ``token_ids``; returns the blocks pinned."""
@@ -242,13 +247,13 @@ class Daemon:
 
     def reset(self) -> int:
         """Empties every tier; returns the device blocks whose content was dropped."""
-        self.drain_copies()
+        self.wait_for_copies()
         with self.lock:
             cleared = self._cache().reset()
             self._publish()
             return cleared
 
-    def inspect_block(self, block_id: int) -> tuple[Block, bytes]:
+    def inspect_block(self, block_id: int) -> InspectedBlock:
         """A block's metadata and the sha256 of its bytes, read by the daemon."""
         with self.lock:
             return self._cache().inspect_block(block_id)

@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -46,6 +47,17 @@ class DiskCounters:
     loads: int = 0  # blocks read back into the host tier
     load_failures: int = 0  # gone or corrupt: recomputed
     seconds_writing: float = 0.0
+
+
+class _BlockJob(NamedTuple):
+    """One block for the writer (slot to disk) or the reader (disk to slot)."""
+
+    slot: HostSlot
+    block_hash: bytes
+
+
+#: A batch for one thread, as its queue holds it (None: stop).
+_Batch = list[_BlockJob]
 
 
 class DiskTier:
@@ -79,8 +91,8 @@ class DiskTier:
         self.max_queued_writes = max(1, host.num_slots // 2)
         self._queued: set[bytes] = set()  # hashes waiting for the writer or being written
         self.loading: dict[bytes, HostSlot] = {}  # hashes being read into host slots
-        self._writes: queue.SimpleQueue = queue.SimpleQueue()
-        self._reads: queue.SimpleQueue = queue.SimpleQueue()
+        self._writes: queue.SimpleQueue[_Batch | None] = queue.SimpleQueue()
+        self._reads: queue.SimpleQueue[_Batch | None] = queue.SimpleQueue()
         self._outstanding = 0
         self._idle = threading.Condition()
         self._threads = [
@@ -97,7 +109,7 @@ class DiskTier:
 
     def offer(self, slots: Sequence[HostSlot]) -> None:
         """Host slots that just became READY: write their blocks through to disk."""
-        jobs = []
+        jobs: _Batch = []
         for slot in slots:
             block_hash = slot.block_hash
             if slot.from_disk or block_hash is None or block_hash in self._queued or self.store.holds(block_hash):
@@ -106,7 +118,7 @@ class DiskTier:
                 self.counters.writes_skipped += 1
                 continue
             self._queued.add(block_hash)
-            jobs.append((slot, block_hash))
+            jobs.append(_BlockJob(slot, block_hash))
         if jobs:
             self.host.begin_read([slot for slot, _ in jobs])
             self._submit(self._writes, jobs)
@@ -118,7 +130,7 @@ class DiskTier:
         Stops at the first hash that is neither on disk nor in a tier above,
         or when the host tier has no slot to give.
         """
-        jobs = []
+        jobs: _Batch = []
         for block_hash in hashes:
             if len(jobs) >= limit:
                 break
@@ -131,7 +143,7 @@ class DiskTier:
                 break
             slot.from_disk = True
             self.loading[block_hash] = slot
-            jobs.append((slot, block_hash))
+            jobs.append(_BlockJob(slot, block_hash))
         if jobs:
             self._submit(self._reads, jobs)
         return len(jobs)
@@ -142,12 +154,12 @@ class DiskTier:
 
     # ------------------------------------------------------------ threads
 
-    def _submit(self, jobs_queue: queue.SimpleQueue, jobs: list) -> None:
+    def _submit(self, jobs_queue: queue.SimpleQueue[_Batch | None], jobs: _Batch) -> None:
         with self._idle:
             self._outstanding += 1
         jobs_queue.put(jobs)
 
-    def _loop(self, jobs_queue: queue.SimpleQueue, work: Callable[[list], None]) -> None:
+    def _loop(self, jobs_queue: queue.SimpleQueue[_Batch | None], work: Callable[[_Batch], None]) -> None:
         while True:
             jobs = jobs_queue.get()
             if jobs is None:
@@ -167,7 +179,7 @@ class DiskTier:
     def _read_loop(self) -> None:
         self._loop(self._reads, self._read)
 
-    def _write(self, jobs: list[tuple[HostSlot, bytes]]) -> None:
+    def _write(self, jobs: _Batch) -> None:
         started = time.perf_counter()
         written, evicted = [], []
         error = None
@@ -211,7 +223,7 @@ class DiskTier:
                 extra={"error": str(error), "folder": str(self.store.folder)},
             )
 
-    def _read(self, jobs: list[tuple[HostSlot, bytes]]) -> None:
+    def _read(self, jobs: _Batch) -> None:
         results = self.store.read_batch([(h, memoryview(self._bytes[slot.slot_id])) for slot, h in jobs])
         with self._lock:
             failed = []
@@ -229,7 +241,7 @@ class DiskTier:
 
     # ------------------------------------------------------------ control
 
-    def drain(self, timeout_s: float = 60.0) -> bool:
+    def wait_for_io(self, timeout_s: float = 60.0) -> bool:
         """Waits (without the daemon's lock) until every queued write and read finished."""
         with self._idle:
             return self._idle.wait_for(lambda: self._outstanding == 0, timeout=timeout_s)

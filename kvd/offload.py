@@ -27,16 +27,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from kvd.block import Block
-from kvd.host_tier import HostSlot
+from kvd.cache_manager import Offload, SwapIn
 
 log = logging.getLogger("kvd.offload")
-
-Offload = tuple[Block, HostSlot]
-SwapIn = tuple[HostSlot, Block]
 
 #: Events of incoming copies kept alive after they finished, so that an engine
 #: that has not opened a reply's event handle yet never opens a destroyed one.
@@ -55,6 +52,35 @@ class CopyStats:
     seconds_from_host: float = 0.0
     batches_to_host: int = 0
     batches_from_host: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _CopiesOut:
+    """Submitted device-to-host copies, for the worker to finish."""
+
+    offloads: list[Offload]
+    event: torch.cuda.Event | None  # recorded after them on the copy stream; None: the worker copies
+    started: float  # perf_counter at submit
+    direction: ClassVar[str] = "out"
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.offloads)
+
+
+@dataclass(frozen=True, slots=True)
+class _CopiesIn:
+    """Submitted host-to-device copies (CUDA), for the worker to finish."""
+
+    swap_ins: list[SwapIn]
+    event: torch.cuda.Event  # recorded after them on the copy stream
+    started: float  # perf_counter at submit
+    job_id: int  # its entry in ``_pending_in``
+    direction: ClassVar[str] = "in"
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.swap_ins)
 
 
 def _host_tensor(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
@@ -100,7 +126,7 @@ class TierCopier:
         self._lock = lock
         self._finish_out = finish_out
         self._finish_in = finish_in
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_CopiesOut | _CopiesIn | None] = queue.SimpleQueue()  # None: stop
         self._outstanding = 0
         self._idle = threading.Condition()
         self._stream = torch.cuda.Stream(device=cache.device) if self.on_cuda else None
@@ -128,7 +154,7 @@ class TierCopier:
                     self.host[slot.slot_id].copy_(self.cache[block.block_id], non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self._stream)
-        self._submit(("out", list(offloads), event, started))
+        self._submit(_CopiesOut(list(offloads), event, started))
 
     def copy_in(self, swap_ins: Sequence[SwapIn], after: Sequence[bytes] = ()) -> None:
         """Copies host slots into device blocks: done on return without a GPU;
@@ -155,7 +181,7 @@ class TierCopier:
         job_id = self._next_job
         self._next_job += 1
         self._pending_in[job_id] = event.ipc_handle()
-        self._submit(("in", list(swap_ins), event, started, job_id))
+        self._submit(_CopiesIn(list(swap_ins), event, started, job_id))
 
     def _wait_for_engines(self, handles: Sequence[bytes]) -> None:
         """Makes the copy stream wait for engines' interprocess events (CUDA)."""
@@ -177,7 +203,7 @@ class TierCopier:
 
     # ------------------------------------------------------------ worker
 
-    def _submit(self, job: tuple) -> None:
+    def _submit(self, job: _CopiesOut | _CopiesIn) -> None:
         with self._idle:
             self._outstanding += 1
         self._jobs.put(job)
@@ -188,37 +214,38 @@ class TierCopier:
             if job is None:
                 return
             try:
-                if job[0] == "out":
-                    self._finish_copy_out(*job[1:])
-                else:
-                    self._finish_copy_in(*job[1:])
+                match job:
+                    case _CopiesOut():
+                        self._finish_copies_out(job)
+                    case _CopiesIn():
+                        self._finish_copies_in(job)
             except Exception:  # a failed copy must not kill the worker; the blocks stay held
-                log.exception("tier copy failed", extra={"direction": job[0], "blocks": len(job[1])})
+                log.exception("tier copy failed", extra={"direction": job.direction, "blocks": job.num_blocks})
             finally:
                 with self._idle:
                     self._outstanding -= 1
                     self._idle.notify_all()
 
-    def _finish_copy_out(self, offloads: list[Offload], event, started: float) -> None:
-        if event is None:
-            for block, slot in offloads:
+    def _finish_copies_out(self, job: _CopiesOut) -> None:
+        if job.event is None:
+            for block, slot in job.offloads:
                 self.host[slot.slot_id].copy_(self.cache[block.block_id])
         else:
-            event.synchronize()
+            job.event.synchronize()
         with self._lock:
             stats = self.stats
-            stats.bytes_to_host += len(offloads) * self.block_bytes
-            stats.seconds_to_host += time.perf_counter() - started
+            stats.bytes_to_host += len(job.offloads) * self.block_bytes
+            stats.seconds_to_host += time.perf_counter() - job.started
             stats.batches_to_host += 1
-            self._finish_out(offloads)
+            self._finish_out(job.offloads)
 
-    def _finish_copy_in(self, swap_ins: list[SwapIn], event, started: float, job_id: int) -> None:
-        event.synchronize()
+    def _finish_copies_in(self, job: _CopiesIn) -> None:
+        job.event.synchronize()
         with self._lock:
-            self._count_in(len(swap_ins), time.perf_counter() - started)
-            del self._pending_in[job_id]
-            self._retired.append(event)
-            self._finish_in(swap_ins)
+            self._count_in(len(job.swap_ins), time.perf_counter() - job.started)
+            del self._pending_in[job.job_id]
+            self._retired.append(job.event)
+            self._finish_in(job.swap_ins)
 
     def _count_in(self, num_blocks: int, seconds: float) -> None:
         stats = self.stats
@@ -228,7 +255,7 @@ class TierCopier:
 
     # ------------------------------------------------------------ control
 
-    def drain(self, timeout_s: float = 60.0) -> bool:
+    def wait_for_copies(self, timeout_s: float = 60.0) -> bool:
         """Waits (without the daemon's lock) until every submitted copy finished."""
         with self._idle:
             return self._idle.wait_for(lambda: self._outstanding == 0, timeout=timeout_s)

@@ -1,8 +1,8 @@
 """What a session computes next: the daemon's scheduling policy, as plain code.
 
 One call per Step, on the session's state after its reports were applied
-(``Session.apply``). Requests are served in schedule order (priority, then
-arrival), under the session's token budget:
+(``Session.apply_step_reports``). Requests are served in schedule order
+(priority, then arrival), under the session's token budget:
 
     budget ──► decodes (running requests wanting one token; never stalled
            │   by long prefills)
@@ -55,7 +55,7 @@ def run_step(
 
     Raises ``ValueError`` / ``NotFoundError`` before any change on bad input.
     """
-    arrivals, released = session.apply(manager, msg)
+    arrivals, released = session.apply_step_reports(manager, msg)
     # What the cache holds of each new prompt, before anything is admitted
     # (the engine's load reports): its hashes are at hand only here.
     arrival_cached = [manager.cached_tokens(request.block_hashes) for request in arrivals]

@@ -90,15 +90,13 @@ class KVDaemonService(pb_grpc.KVDaemonServicer):
         return reply
 
     def Lookup(self, request, context):
-        hashes, on_host, on_disk = self.daemon.lookup(
-            list(request.token_ids), request.cache_salt, list(request.extra_keys)
-        )
+        cached = self.daemon.cached_prefix(list(request.token_ids), request.cache_salt, list(request.extra_keys))
         block_size = self.daemon.config.block_size
         return pb.LookupResponse(
-            num_cached_tokens=len(hashes) * block_size,
-            block_hashes=hashes,
-            num_host_cached_tokens=on_host * block_size,
-            num_disk_cached_tokens=on_disk * block_size,
+            num_cached_tokens=len(cached.device_hashes) * block_size,
+            block_hashes=cached.device_hashes,
+            num_host_cached_tokens=cached.num_host_blocks * block_size,
+            num_disk_cached_tokens=cached.num_disk_blocks * block_size,
         )
 
     def Pin(self, request, context):

@@ -3,9 +3,9 @@
 A session owns its requests from arrival to release. A request waits
 (hashed once, on arrival) until the scheduler admits it, runs while it holds
 blocks, may go back to waiting when preempted, and is released when the
-engine reports it finished. ``Session.apply`` takes a Step's reports (new
-requests, commits, finished requests) after checking all of them: a bad Step
-changes nothing.
+engine reports it finished. ``Session.apply_step_reports`` takes a Step's
+reports (new requests, commits, finished requests) after checking all of
+them: a bad Step changes nothing.
 
 The fence. A Step that says ``forward_in_flight`` was sent while the engine's
 last forward may still be writing into the blocks of the requests it
@@ -43,14 +43,16 @@ import bisect
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
+from typing import NamedTuple
 
 from kvd.block import Block
 from kvd.cache_manager import KVCacheManager
 from kvd.cache_request import Request
 from kvd.cache_request import schedule_order as _order
+from kvd.common.defaults import MAX_NUM_SEQS, TOKEN_BUDGET
 from kvd.common.hashing import pack_tokens
 from kvd.common.process_identity import ProcessIdentity
 from kvd.errors import NotFoundError
@@ -60,15 +62,18 @@ from kvd_api.daemon.v1 import daemon_pb2 as pb
 #: bug) from an id that was never known.
 _FREED_MEMORY = 4096
 
-#: Limits of a session until its engine sends its own (SessionSettings).
-DEFAULT_MAX_NUM_SEQS = 64
-DEFAULT_TOKEN_BUDGET = 512
-
 
 #: One request's entry of a Step's commits: (request, num_computed_tokens,
 #: new_token_ids). NOTE: a tuple, not a class: a decode Step makes one per
 #: running request, and a class's __init__ call costs more than the commit.
 Commit = tuple[Request, int, list[int]]
+
+
+class AppliedReports(NamedTuple):
+    """What applying a Step's reports changed that the Step's reply tells."""
+
+    arrivals: list[Request]  # the new requests, waiting, in the Step's order
+    released_ids: list[str]  # the requests the Step finished, their blocks freed
 
 
 @dataclass(slots=True)
@@ -111,8 +116,9 @@ class Session:
     running: dict[str, Request] = field(default_factory=dict)
     waiting: list[Request] = field(default_factory=list)
     recently_freed: OrderedDict[str, None] = field(default_factory=OrderedDict)
-    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
-    token_budget: int = DEFAULT_TOKEN_BUDGET
+    # Limits of the session until its engine sends its own (SessionSettings): the engine's defaults.
+    max_num_seqs: int = MAX_NUM_SEQS
+    token_budget: int = TOKEN_BUDGET
     steps: int = 0
     arrivals: int = 0
     starved: bool = False
@@ -211,10 +217,9 @@ class Session:
 
     # --------------------------------------------------------- the Step
 
-    def apply(self, manager: KVCacheManager, msg: pb.StepRequest) -> tuple[list[Request], list[str]]:
+    def apply_step_reports(self, manager: KVCacheManager, msg: pb.StepRequest) -> AppliedReports:
         """Takes a Step's reports, in order: settings, new requests, commits,
-        finished requests. Returns the new requests (in the Step's order) and
-        the released request ids.
+        finished requests.
 
         Raises:
             ValueError, NotFoundError: before any change.
@@ -239,7 +244,7 @@ class Session:
                 request.token_ids.fromlist(new_token_ids)
         for request in checked.finished:
             self.release(manager, request)
-        return checked.arrivals, [r.request_id for r in checked.finished]
+        return AppliedReports(checked.arrivals, [r.request_id for r in checked.finished])
 
     def _check(self, manager: KVCacheManager, msg: pb.StepRequest) -> _Checked:
         if msg.HasField("settings"):
@@ -326,30 +331,32 @@ class SessionRegistry:
 
     Args:
         lease_s: a session not heard from for this long is released.
+        clock: monotonic seconds the leases are read on (tests pass one they advance).
     """
 
-    def __init__(self, lease_s: float) -> None:
+    def __init__(self, lease_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         if lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {lease_s}")
         self.lease_s = lease_s
+        self.clock = clock
         self.sessions: dict[str, Session] = {}
 
-    def open(self, client_name: str, now: float | None = None, process: ProcessIdentity | None = None) -> Session:
+    def open(self, client_name: str, process: ProcessIdentity | None = None) -> Session:
         session = Session(
             session_id=secrets.token_hex(8),
             client_name=client_name,
-            last_seen=time.monotonic() if now is None else now,
+            last_seen=self.clock(),
             process=process,
         )
         self.sessions[session.session_id] = session
         return session
 
-    def get(self, session_id: str, now: float | None = None) -> Session:
+    def get(self, session_id: str) -> Session:
         """The live session ``session_id``; renews its lease."""
         session = self.sessions.get(session_id)
         if session is None:
             raise NotFoundError(f"unknown session {session_id!r} (expired or never attached)")
-        session.last_seen = time.monotonic() if now is None else now
+        session.last_seen = self.clock()
         return session
 
     def close(self, session_id: str, manager: KVCacheManager) -> int:
@@ -363,8 +370,9 @@ class SessionRegistry:
             raise NotFoundError(f"unknown session {session_id!r}")
         return session
 
-    def expired(self, now: float | None = None) -> list[str]:
-        now = time.monotonic() if now is None else now
+    def expired(self) -> list[str]:
+        """The sessions not heard from for more than ``lease_s``."""
+        now = self.clock()
         return [sid for sid, s in self.sessions.items() if now - s.last_seen > self.lease_s]
 
     def fair_share(self, session: Session, num_blocks: int) -> int | None:

@@ -1,8 +1,8 @@
 """Shared test helpers: real daemon processes on real sockets.
 
-The commands that start them, the wait for SERVING, free ports and stopping a
-child are the benchmarks' harness (benchmarks/harness/processes.py), so the
-suite and the benchmarks start the stack alike.
+The fixtures are built from the benchmarks' process handles
+(benchmarks/harness/handles.py), so the suite and the benchmarks start,
+wait for and stop the stack alike.
 """
 
 from __future__ import annotations
@@ -24,15 +24,9 @@ import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from benchmarks.harness.processes import (
-    daemon_command,
-    engine_command,
-    free_port,
-    gateway_command,
-    spawn,
-    stop_process,
-    wait_serving,
-)
+# NOTE: ChildProcess and wait_serving are imported by tests from here.
+from benchmarks.harness.handles import ChildProcess, DaemonProcess, EngineProcess, GatewayProcess  # noqa: F401
+from benchmarks.harness.processes import free_port, stop_process, wait_serving  # noqa: F401
 from kvd.common.client import DaemonClient
 
 
@@ -74,6 +68,11 @@ def pytest_addoption(parser):
         "--long",
         action="store_true",
         help="also run the tests marked long (soak and overlapping churn variants; make test-long)",
+    )
+    parser.addoption(
+        "--fast",
+        action="store_true",
+        help="only the unit tests that need neither the real model nor Triton (make test-fast)",
     )
     parser.addoption(
         "--families",
@@ -121,16 +120,55 @@ def wait_for_strays(mark: str, timeout_s: float) -> list[psutil.Process]:
     return left
 
 
+UNIT_TESTS = Path(__file__).parent / "unit"
+
+
+def pytest_configure(config):
+    if config.getoption("--fast"):
+        _refuse_interpreted_kernels()
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `long` run with --long only (deselected, and counted as such,
-    otherwise); tests marked `gpu` run only where CUDA is available (tests/gpu/run.sh)."""
+    """Marks the tests of the real model; deselects (and counts as such) the tests
+    marked `long` unless --long, and all but the fast unit tests with --fast;
+    puts the unit tests first; skips the tests marked `gpu` without CUDA."""
+    _mark_model_tests(items)
+    if not config.getoption("--long"):
+        _deselect(config, items, lambda item: item.get_closest_marker("long") is not None)
+    if config.getoption("--fast"):
+        _deselect(config, items, lambda item: _run_order(item) != 0)
+    items.sort(key=_run_order)  # stable: each module's tests keep their order
+    _skip_gpu_tests_without_cuda(items)
+
+
+def _mark_model_tests(items) -> None:
+    """Marks `needs_model` every test that reaches the real model: all its
+    fixtures (``tokenizer``, ``reference_model``, the stacks) start from
+    ``model_dir``, so a new test that uses one can never land in the fast set."""
+    for item in items:
+        if "model_dir" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.needs_model)
+
+
+def _run_order(item) -> int:
+    """0: a fast unit test, 1: another unit test, 2: the rest. A broken
+    invariant then fails in the first minute of a full run, not after the stacks'."""
+    if not item.path.is_relative_to(UNIT_TESTS):
+        return 2
+    slow = item.get_closest_marker("needs_model") or item.get_closest_marker("needs_triton")
+    return 1 if slow else 0
+
+
+def _deselect(config, items, leave_out) -> None:
+    left_out = [item for item in items if leave_out(item)]
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = [item for item in items if not leave_out(item)]
+
+
+def _skip_gpu_tests_without_cuda(items) -> None:
     import torch
 
-    if not config.getoption("--long"):
-        long_tests = [item for item in items if item.get_closest_marker("long") is not None]
-        if long_tests:
-            config.hook.pytest_deselected(items=long_tests)
-            items[:] = [item for item in items if item.get_closest_marker("long") is None]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; run tests/gpu/run.sh on a GPU machine")
@@ -141,42 +179,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@dataclass(kw_only=True)
-class ChildProcess:
-    """A subprocess of the suite, its output in ``log_path``."""
-
-    process: subprocess.Popen
-    log_path: Path
-    address: str
-    stop_timeout_s = 15.0
-
-    def log(self) -> str:
-        return self.log_path.read_text() if self.log_path.exists() else ""
-
-    def stop(self, sig: int = signal.SIGTERM, timeout_s: float | None = None) -> int:
-        return stop_process(self.process, sig, self.stop_timeout_s if timeout_s is None else timeout_s)
-
-
-def serving_or_killed(child: ChildProcess, what: str, timeout_s: float) -> None:
-    """Waits until ``child`` serves; kills it, with its log in the error, if it does not."""
+def _refuse_interpreted_kernels() -> None:
+    """In a --fast run, a test that launches a Triton kernel in the interpreter
+    (seconds each) fails and says how to mark it."""
     try:
-        wait_serving(child.address, timeout_s=timeout_s, process=child.process)
-    except Exception:
-        child.stop(signal.SIGKILL)
-        raise RuntimeError(f"{what} did not start: {child.log()}") from None
+        from triton.runtime import interpreter
+    except ImportError:
+        return
 
+    def refuse(*args, **kwargs):
+        raise AssertionError("this test runs a Triton kernel: mark it needs_triton (make test-fast leaves those out)")
 
-@dataclass(kw_only=True)
-class DaemonProcess(ChildProcess):
-    """A `kvd` daemon running as a subprocess on its own socket and shm dir."""
-
-    socket_path: str
-    shm_dir: str
-    metrics_port: int
-    stop_timeout_s = 10.0
-
-    def client(self) -> DaemonClient:
-        return DaemonClient.connect(self.address)
+    interpreter.GridExecutor.__call__ = refuse
 
 
 def wait_for(condition, timeout_s: float = 15.0, interval_s: float = 0.05) -> bool:
@@ -202,22 +216,12 @@ def health_status(address: str, service: str = "") -> int:
 
 
 def start_daemon(args: list[str], workdir: str) -> DaemonProcess:
-    socket_path = os.path.join(workdir, "kvd.sock")
+    """A daemon on ``workdir/kvd.sock``, its shared memory in ``workdir/shm``, once it serves."""
     shm_dir = os.path.join(workdir, "shm")
     os.makedirs(shm_dir, exist_ok=True)
-    metrics_port = free_port()
-    log_path = Path(workdir) / "kvd.log"
-    cmd = daemon_command(socket_path, shm_dir, ["--metrics-port", str(metrics_port), *args])
-    daemon = DaemonProcess(
-        process=spawn(cmd, log_path),
-        log_path=log_path,
-        address=f"unix:{socket_path}",
-        socket_path=socket_path,
-        shm_dir=shm_dir,
-        metrics_port=metrics_port,
-    )
-    serving_or_killed(daemon, "daemon", 60)  # generous: the test machines are shared
-    return daemon
+    # NOTE: generous ready timeouts: the test machines are shared.
+    daemon = DaemonProcess(workdir, args, shm_dir=shm_dir, metrics_port=free_port(), append_log=True)
+    return daemon.start()
 
 
 @pytest.fixture
@@ -257,23 +261,13 @@ def daemon(daemon_factory) -> DaemonProcess:
 # ------------------------------------------------------------------ engines
 
 
-@dataclass(kw_only=True)
-class EngineProcess(ChildProcess):
-    """A `kvd-engine` subprocess attached to a daemon."""
-
-    daemon: DaemonProcess
-
-
 def start_engine(
     daemon: DaemonProcess, args: list[str], workdir: str, wait: bool = True, port: int = 0
 ) -> EngineProcess:
+    """An engine on ``daemon``, its log ``workdir/engine-PORT.log``; with ``wait``, once it serves."""
     port = port or free_port()
-    log_path = Path(workdir) / f"engine-{port}.log"
-    cmd = engine_command(daemon.address, f"127.0.0.1:{port}", args)
-    engine = EngineProcess(process=spawn(cmd, log_path), log_path=log_path, address=f"127.0.0.1:{port}", daemon=daemon)
-    if wait:
-        serving_or_killed(engine, "engine", 180)
-    return engine
+    engine = EngineProcess(workdir, daemon.address, args, f"engine-{port}", 180, port, daemon, append_log=True)
+    return engine.start(wait)
 
 
 @pytest.fixture(scope="module")
@@ -347,22 +341,15 @@ def stack_factory(daemon_factory, workdir, model_dir):
 # ----------------------------------------------------------------- gateways
 
 
-@dataclass(kw_only=True)
-class GatewayProcess(ChildProcess):
-    """A `kvd-gateway` subprocess in front of one engine."""
-
-
 def start_gateway(
     engine_address: str, args: list[str], workdir: str, port: int = 0, wait: bool = True
 ) -> GatewayProcess:
     """Starts a gateway and (with ``wait``) waits until it serves: its engine answers."""
     port = port or free_port()
-    log_path = Path(workdir) / f"gateway-{port}.log"
-    cmd = gateway_command(f"127.0.0.1:{port}", engine_address, ["--keeper-interval-s", "0.2", *args])
-    gateway = GatewayProcess(process=spawn(cmd, log_path), log_path=log_path, address=f"127.0.0.1:{port}")
-    if wait:
-        serving_or_killed(gateway, "gateway", 60)
-    return gateway
+    args = ["--keeper-interval-s", "0.2", *args]
+    name = f"gateway-{port}"
+    gateway = GatewayProcess(workdir, engine_address, args, name=name, port=port, data_dir="", append_log=True)
+    return gateway.start(wait)
 
 
 @contextlib.contextmanager

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 import torch
 
 from inference import attention, model_store
+from inference.config import EngineConfig
 from inference.cuda_graphs import EagerStandIn, GraphPlan, capture_graphs
-from inference.engine import EngineConfig
 from inference.kernels.kv_store import store_kv
 from inference.kernels.launch import LaunchShape, choose_splits
 from inference.kernels.paged_attention import paged_attention

@@ -15,8 +15,8 @@ from pathlib import Path
 import uvicorn
 
 from gateway.http_api.app import create_app
-from gateway.http_api.relay import Relay
-from gateway.service import GatewayService
+from gateway.http_api.threads import WorkerThreads
+from gateway.request_path import RequestPath
 from kvd.common.grpc_server import OpenCalls
 
 log = logging.getLogger("gateway.http")
@@ -35,12 +35,12 @@ def split_address(address: str) -> tuple[str, int]:
 
 
 class HttpServer:
-    """Serves ``service`` over HTTP on ``address`` once started; its
+    """Serves the request path over HTTP on ``address`` once started; its
     generations count in ``open_calls`` with the gRPC API's."""
 
     def __init__(
         self,
-        service: GatewayService,
+        requests: RequestPath,
         open_calls: OpenCalls,
         address: str,
         tls_cert: Path | None = None,
@@ -58,9 +58,9 @@ class HttpServer:
         self.socket.listen(2048)  # connections made before uvicorn runs wait for it
         self.host = host
         self.port = self.socket.getsockname()[1]
-        self.relay = Relay(open_calls.limit + OTHER_THREADS)
+        self.threads = WorkerThreads(open_calls.limit + OTHER_THREADS)
         config = uvicorn.Config(
-            create_app(service, self.relay, open_calls), log_config=None, access_log=False, lifespan="off",
+            create_app(requests, self.threads, open_calls), log_config=None, access_log=False, lifespan="off",
             timeout_graceful_shutdown=2, ssl_certfile=tls_cert, ssl_keyfile=tls_key,
         )  # fmt: skip
         self.server = uvicorn.Server(config)
@@ -83,5 +83,5 @@ class HttpServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=5)
-        self.relay.close()
+        self.threads.close()
         self.socket.close()

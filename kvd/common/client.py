@@ -72,8 +72,8 @@ class DaemonClient:
         sent_at = time.monotonic()
         return DaemonSession(self, self.stub.Attach(request), map_memory, sent_at)
 
-    def lookup(self, token_ids: list[int], cache_salt: bytes = b"") -> int:
-        """Cached leading tokens of ``token_ids`` (block-aligned)."""
+    def device_cached_tokens(self, token_ids: list[int], cache_salt: bytes = b"") -> int:
+        """Leading tokens of ``token_ids`` cached on the device (block-aligned; the Lookup RPC)."""
         return self.stub.Lookup(pb.LookupRequest(token_ids=token_ids, cache_salt=cache_salt)).num_cached_tokens
 
     def pin(self, pin_id: str, token_ids: list[int], cache_salt: bytes = b"") -> int:

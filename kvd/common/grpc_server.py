@@ -8,7 +8,8 @@ engine and the gateway import it without importing anything of the daemon.
 A table lists ``(exception type, status)`` pairs, first match wins; the
 status may be a function of the exception returning ``(code, message)``
 (e.g. passing an upstream ``grpc.RpcError`` on). Anything not in the table is
-INTERNAL with the method named, and logged with its traceback.
+INTERNAL with the method named, and logged with its traceback. A
+``FieldError``'s field goes beside its status (``kvd.common.field_error``).
 
 A server may cap its long calls (generation: one holds a worker thread for
 its whole length) with a ``CallLimit``: the thread pool gets that many threads
@@ -29,6 +30,8 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from kvd.common.field_error import FieldError, trailing_field
 
 log = logging.getLogger("kvd.common.grpc_server")
 
@@ -93,6 +96,8 @@ class StatusInterceptor(grpc.ServerInterceptor):
         if status is None:
             log.error("internal error", exc_info=exc, extra={"rpc": method})
             status = grpc.StatusCode.INTERNAL, f"internal error in {method}; see the server's log"
+        elif isinstance(exc, FieldError):
+            context.set_trailing_metadata(trailing_field(exc.field))
         context.abort(*status)
 
 

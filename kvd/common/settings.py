@@ -1,7 +1,8 @@
 """Each setting of a kvd process declared once: flag, environment variable, type, default, help.
 
 A process's settings are ``Setting`` options (click's ``Option``) gathered in
-one ``click.Command``. From that one declaration come:
+one ``click.Command``; those that set a field of its config object are declared
+on that field (``kvd.common.config_fields``). From that one declaration come:
 
 - the flag and the environment variable that sets it (for containers; a flag
   given on the command line wins over its variable, which wins over the default);
@@ -12,8 +13,9 @@ one ``click.Command``. From that one declaration come:
   they drift) and the tests that every ``KVD_*`` variable deploy/ and the docs
   set is one the process reading it declares, with a valid value.
 
-The entry point reads them once (``parse``) into its frozen config object;
-nothing deeper reads the environment. docs/development.md says how to add one.
+The entry point reads them once (``parse``) into its frozen config object
+(``config_from``); nothing deeper reads the environment. docs/development.md
+says how to add one.
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 
 #: Each program (pyproject's scripts; add-key is the gateway's subcommand) and
-#: where its settings are declared.
+#: its command, which lists its settings (those of its config object are
+#: declared on that object's fields: ``kvd.common.config_fields``).
 PROGRAMS = {
     "kvd": "kvd.cli:COMMAND",
     "kvd-engine": "inference.cli:COMMAND",
@@ -69,9 +70,7 @@ def _type(setting: Setting) -> str:
         return "flag"
     if isinstance(setting.type, click.Choice):
         return " \\| ".join(setting.type.choices)
-    return {"integer": "int", "float": "float", "size": "size", "text": "text"}.get(
-        setting.type.name, setting.type.name
-    )
+    return _TYPE_NAMES.get(setting.type.name, setting.type.name)
 
 
 def _default(setting: Setting) -> str:
@@ -101,9 +100,7 @@ def program_table(program: str) -> str:
     parts = []
     for title, rows in sections.items():
         head = f"*{title or 'general'}*\n\n" if len(sections) > 1 else ""
-        parts.append(
-            head + "| flag | variable | type | default | what it sets |\n|---|---|---|---|---|\n" + "\n".join(rows)
-        )
+        parts.append(head + _HEADER + "\n".join(rows))
     return "\n\n".join(parts) + "\n"
 
 

@@ -29,7 +29,7 @@ from grpc_health.v1 import health_pb2
 
 from gateway.client import GatewayClient
 from inference import model_store
-from inference.app import EngineSettings
+from inference.config import EngineSettings
 from kvd.common.client import DaemonClient
 from kvd_api.daemon.v1 import daemon_pb2 as pb
 from kvd_api.engine.v1 import engine_pb2 as epb

@@ -76,7 +76,9 @@ def test_a_swap_in_into_fenced_blocks_lands_after_the_forward_in_flight(daemon_f
     reply = session.step(pb.StepRequest(new_requests=[new("D", list(range(1000, 1000 + 8 * BLOCK)))]))
     assert len(blocks_of(reply, "D")) == 8
     session.step(pb.StepRequest(finished=["D"]))
-    assert client.lookup([*prefix, 999]) == 0, "A's blocks are still on the device: nothing would be swapped in"
+    assert client.device_cached_tokens([*prefix, 999]) == 0, (
+        "A's blocks are still on the device: nothing would be swapped in"
+    )
 
     # C is admitted; forward N (ours) will write its blocks after a long sleep.
     reply = session.step(pb.StepRequest(new_requests=[new("C", list(range(2000, 2000 + 3 * BLOCK)), 16)]))

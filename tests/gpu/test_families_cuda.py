@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from inference import model_store
-from inference.app import EngineApp, EngineSettings
+from inference.app import EngineApp
+from inference.config import EngineSettings
 from tests.conftest import start_daemon, wait_serving
 from tests.integration.engine_client import assert_close_to_reference, reference_generate, stream_with_top5, stub
 from tests.integration.test_model_families import prompts

@@ -110,7 +110,7 @@ def test_warm_caches_a_prefix_and_reports_it(shared_stack, engine, tokenizer):
     reply = engine.Warm(pb.WarmRequest(token_ids=ids, cache_salt=b"warm-test"))
     assert reply.cached_tokens == len(ids) // 16 * 16 > 0
     daemon = DaemonClient.connect(shared_stack.daemon.address)
-    assert daemon.lookup(ids, b"warm-test") == reply.cached_tokens
+    assert daemon.device_cached_tokens(ids, b"warm-test") == reply.cached_tokens
     _, _, final = generate(engine, pb.GenerateRequest(
         token_ids=pb.TokenIds(ids=ids + [42]), cache_salt=b"warm-test", sampling=pb.SamplingParams(max_new_tokens=2)
     ))  # fmt: skip

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from inference import attention
-from inference.engine import Engine, EngineConfig
+from inference.config import EngineConfig
+from inference.engine import Engine
 from inference.requests import Finish, Sequence
 from inference.sampling import SamplingParams
 from kvd.common.layout import CacheLayout

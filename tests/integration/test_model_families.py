@@ -26,7 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from inference.app import EngineApp, EngineSettings
+from inference.app import EngineApp
+from inference.config import EngineSettings
 from inference.model_support import VERIFIED_FAMILIES
 from kvd.common.grpc_server import Server
 from kvd.daemon import Daemon, DaemonConfig

@@ -19,11 +19,13 @@ from concurrent import futures
 import pytest
 import torch
 
-from inference.engine import Engine, EngineConfig
+from inference.config import EngineConfig
+from inference.engine import Engine
 from inference.model_runner import NO_MARK, ForwardMark
 from inference.requests import Sequence
 from inference.sampling import SamplingParams
 from inference.step_inputs import Chunk
+from inference.streams import StreamError, StreamFinished, StreamTokens
 from kvd.common.client import DaemonClient
 from kvd.common.layout import CacheLayout
 from kvd.config import DaemonConfig
@@ -153,13 +155,13 @@ def collect(seq: Sequence, timeout_s: float = 60.0) -> tuple[list[int], str]:
     tokens: list[int] = []
     deadline = time.monotonic() + timeout_s
     while True:
-        event = seq.events.get(timeout=max(0.1, deadline - time.monotonic()))
-        if event[0] == "tokens":
-            tokens.extend(event[1])
-        elif event[0] == "finished":
-            return tokens, f"finished:{event[1].value}"
-        else:
-            return tokens, "error"
+        match seq.events.get(timeout=max(0.1, deadline - time.monotonic())):
+            case StreamTokens(token_ids=token_ids):
+                tokens.extend(token_ids)
+            case StreamFinished(finish=finish):
+                return tokens, f"finished:{finish.value}"
+            case StreamError():
+                return tokens, "error"
 
 
 def prompts(rng: random.Random, n: int, shared: list[int]) -> list[list[int]]:

@@ -261,11 +261,11 @@ def test_commit_caches_only_computed_full_blocks():
     request = manager.new_request("r", PROMPT[:10])
     manager.admit(request, 100)
     manager.commit(request, 6)
-    assert manager.lookup(hashes(PROMPT[:10])) == 4
+    assert manager.device_cached_tokens(hashes(PROMPT[:10])) == 4
     assert request.blocks[0].block_hash is not None
     assert request.blocks[1].block_hash is None
     manager.commit(request, 10)
-    assert manager.lookup(hashes(PROMPT[:10])) == 8
+    assert manager.device_cached_tokens(hashes(PROMPT[:10])) == 8
     assert request.blocks[2].block_hash is None  # the partial block is never cached
 
 
@@ -279,7 +279,7 @@ def test_decode_tokens_that_fill_a_block_are_cached_and_hit_later():
         manager.commit(request, position + 1, [sampled])
     assert list(request.token_ids) == [1, 2, 3, 4, 5, 6, 7, 8, 9]
     assert request.blocks[1].block_hash == hashes([1, 2, 3, 4, 5, 6, 7, 8])[1]
-    assert manager.lookup(hashes([1, 2, 3, 4, 5, 6, 7, 8, 42])) == 8
+    assert manager.device_cached_tokens(hashes([1, 2, 3, 4, 5, 6, 7, 8, 42])) == 8
     later = manager.new_request("later", [1, 2, 3, 4, 5, 6, 7, 8, 42])
     admitted = manager.admit(later, 100)
     assert admitted.num_cached_tokens == 8
@@ -336,9 +336,9 @@ def test_commit_with_bad_new_token_ids_changes_nothing():
 def test_another_cache_salt_gets_no_cached_tokens():
     _, manager = make(16)
     warm(manager, PROMPT[:12], salt=b"tenant-a")
-    assert manager.lookup(hashes(PROMPT[:12], b"tenant-a")) == 12
-    assert manager.lookup(hashes(PROMPT[:12], b"tenant-b")) == 0
-    assert manager.lookup(hashes(PROMPT[:12])) == 0
+    assert manager.device_cached_tokens(hashes(PROMPT[:12], b"tenant-a")) == 12
+    assert manager.device_cached_tokens(hashes(PROMPT[:12], b"tenant-b")) == 0
+    assert manager.device_cached_tokens(hashes(PROMPT[:12])) == 0
     other = manager.new_request("b", PROMPT[:12], b"tenant-b")
     assert manager.admit(other, 100).num_cached_tokens == 0
     same = manager.new_request("a", PROMPT[:12], b"tenant-a")
@@ -356,7 +356,7 @@ def test_lookup_changes_nothing():
     pool, manager = make(8)
     warm(manager, PROMPT[:8])
     before = pool_state(pool)
-    assert manager.lookup(hashes(PROMPT)) == 8
+    assert manager.device_cached_tokens(hashes(PROMPT)) == 8
     assert pool_state(pool) == before
 
 
@@ -413,7 +413,7 @@ def test_two_requests_computing_the_same_blocks_share_the_first_copy():
     manager.free(second)
     # The unhashed duplicate is reused before the cached copies.
     assert [b.block_id for b in pool.free_queue][0] == duplicate
-    assert manager.lookup(hashes(PROMPT[:4] + [9, 9, 9, 9])) == 8
+    assert manager.device_cached_tokens(hashes(PROMPT[:4] + [9, 9, 9, 9])) == 8
 
 
 # ------------------------------------------------------------------------ free
@@ -428,4 +428,4 @@ def test_free_returns_every_block_and_resets_the_request():
     assert pool.num_free == 8
     assert request.blocks == []
     assert (request.num_computed_tokens, request.num_scheduled_tokens, request.num_indexed_blocks) == (0, 0, 0)
-    assert manager.lookup(hashes(PROMPT[:10])) == 8
+    assert manager.device_cached_tokens(hashes(PROMPT[:10])) == 8

@@ -33,6 +33,8 @@ from inference.kernels.launch import LaunchShape
 from inference.model_runner import ModelRunner
 from inference.step_inputs import Chunk
 
+pytestmark = pytest.mark.needs_triton
+
 BLOCK, LAYERS, KV_HEADS, HEAD_DIM = 16, 2, 2, 16  # tests/model_families.py's tiny_llama
 NUM_BLOCKS = 64
 #: decode buckets of 2 and 4 sequences, mixed buckets of 8 and 16 tokens over 4 sequences

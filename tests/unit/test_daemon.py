@@ -25,8 +25,8 @@ def arrive(request_id: str, tokens: list[int]) -> pb.StepRequest:
 
 
 class ManualClock:
-    """Monotonic seconds that move only when the test says (offset from the real
-    clock, so the Step path's own renewals stay comparable)."""
+    """Monotonic seconds that move only when the test says: the daemon reads its
+    leases, their renewals and its quarantines on it."""
 
     def __init__(self) -> None:
         self.now = time.monotonic()
@@ -51,7 +51,7 @@ def daemon(tmp_path, clock):
 
 
 def test_a_lapsed_lease_quarantines_the_sessions_blocks_then_releases_them(daemon, clock):
-    session, _ = daemon.attach("engine", LAYOUT)  # names no process: it cannot be seen
+    session = daemon.attach("engine", LAYOUT).session  # names no process: it cannot be seen
     daemon.step(session.session_id, arrive("r", list(range(9))))
     assert daemon.stats().num_free_blocks < 8
     clock.advance(4.9)
@@ -76,7 +76,7 @@ def test_a_lapsed_lease_quarantines_the_sessions_blocks_then_releases_them(daemo
 
 
 def _lapse(daemon: Daemon, clock: ManualClock, process: ProcessIdentity | None) -> str:
-    session, _ = daemon.attach("engine", LAYOUT, process)
+    session = daemon.attach("engine", LAYOUT, process).session
     daemon.step(session.session_id, arrive("r", list(range(9))))
     clock.advance(daemon.config.lease_s + 0.1)
     assert daemon.reap_expired() == [session.session_id]
@@ -141,17 +141,17 @@ def test_the_started_reaper_expires_sessions_of_an_embedded_daemon(tmp_path, clo
 def test_without_a_cache_the_daemon_refuses_cache_work_by_name(daemon):
     assert daemon.cache_memory() is None and daemon.cache_id == ""
     with pytest.raises(PreconditionError, match="no cache yet"):
-        daemon.lookup([1, 2, 3, 4], b"", [])
+        daemon.cached_prefix([1, 2, 3, 4], b"", [])
     with pytest.raises(PreconditionError, match="attach with the model's layout"):
         daemon.attach("engine", None)
     assert daemon.stats().num_blocks == 0
 
 
 def test_the_cache_is_made_whole_at_the_first_attach_and_kept(daemon):
-    _, memory = daemon.attach("a", LAYOUT)
+    memory = daemon.attach("a", LAYOUT).memory
     cache_id = daemon.cache_id
     assert daemon.cache_memory() is memory and memory.layout.block_size == 4 and len(cache_id) == 32
-    _, again = daemon.attach("b", None)
+    again = daemon.attach("b", None).memory
     assert again is memory and daemon.cache_id == cache_id
     other = CacheLayout(num_layers=2, num_kv_heads=1, head_dim=4, block_size=4, dtype="float32")
     with pytest.raises(PreconditionError, match="does not match"):
@@ -162,7 +162,7 @@ def test_events_reach_every_subscriber_and_close_ends_their_streams(tmp_path, cl
     daemon = Daemon(DaemonConfig(block_size=4, num_blocks=8, shm_dir=str(tmp_path), model_layout=LAYOUT), clock=clock)
     (first, snapshot), (second, _) = daemon.subscribe(), daemon.subscribe()
     assert (snapshot.incarnation, snapshot.sequence, snapshot.device) == (daemon.cache_id, 0, [])
-    session, _ = daemon.attach("engine", None)
+    session = daemon.attach("engine", None).session
     daemon.step(session.session_id, arrive("r", list(range(9))))
     done = pb.Commits(request_ids=["r"], num_computed_tokens=[9], num_new_tokens=[0])
     daemon.step(session.session_id, pb.StepRequest(commits=done, finished=["r"]))

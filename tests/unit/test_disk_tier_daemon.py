@@ -40,7 +40,7 @@ def prefill(daemon, session, cache, request_id: str, ids: list[int]) -> None:
     for i, block_id in enumerate(block_ids(out)):
         cache[block_id].fill_(float(i + 1))
     run(daemon, session, done=(request_id, len(ids)), finished=[request_id])
-    assert daemon.drain_copies()
+    assert daemon.wait_for_copies()
 
 
 def ask_until_admitted(daemon, session, request_id: str, ids: list[int]) -> pb.StepResponse:
@@ -49,7 +49,7 @@ def ask_until_admitted(daemon, session, request_id: str, ids: list[int]) -> pb.S
     for _ in range(50):
         if out.scheduled.request_ids:
             return out
-        assert daemon.drain_copies()
+        assert daemon.wait_for_copies()
         out = run(daemon, session)
     raise AssertionError("never admitted")
 
@@ -68,14 +68,14 @@ def test_blocks_come_back_from_disk_after_a_restart_with_their_bytes(tmp_path, d
     assert second.stats().num_disk_blocks == 3
     first_reply = run(second, session, new=("b", DOC + [2]))
     assert not first_reply.scheduled.request_ids, "it waits while its blocks load"
-    assert second.drain_copies()
+    assert second.wait_for_copies()
     out = run(second, session)
     s = out.scheduled
     assert s.num_cached_tokens[0] == 12 and s.num_host_cached_tokens[0] == 12 and s.num_disk_cached_tokens[0] == 12
     for i, block_id in enumerate(block_ids(out)[:3]):
         assert torch.equal(cache[block_id], torch.full_like(cache[block_id], float(i + 1)))
     run(second, session, finished=["b"])
-    assert second.drain_copies()
+    assert second.wait_for_copies()
     stats = second.stats()
     assert stats.disk_hit_tokens == 12 and stats.disk_loads == 3 and stats.num_host_blocks_read == 0
     assert stats.num_used_blocks == 0 and stats.disk_writes == 0, "blocks read from disk are not written again"

@@ -4,16 +4,13 @@ against the real Redis at 127.0.0.1:6379."""
 
 from __future__ import annotations
 
-import secrets
-
 import pytest
-import redis
 
 from gateway.prompts import own_ids, template_ids, templated_ids
+from gateway.relay import gateway_response
 from gateway.request_checks import check_create
-from gateway.service import _response
 from gateway.template_cache import TemplateCache
-from gateway.templates import Template, TemplateNotFound, TemplateStore
+from gateway.templates import Template, TemplateNotFound
 from gateway.tokenizer import GatewayTokenizer
 from inference import model_store
 from inference.service import tokenizer_files
@@ -159,21 +156,12 @@ def test_the_gateway_passes_on_every_field_an_engine_returns():
                         host_cached_prompt_tokens=4, disk_cached_prompt_tokens=2),
     )  # fmt: skip
     assert all(getattr(message.usage, field) for field in usage_fields)  # none left at its default
-    out = _response(message, template_tokens=3)
+    out = gateway_response(message, template_tokens=3)
     for field in engine_fields - {"usage"}:
         assert getattr(out, field) == getattr(message, field), field
     for field in usage_fields:
         assert getattr(out.usage, field) == getattr(message.usage, field), field
     assert out.usage.template_tokens == 3
-
-
-@pytest.fixture
-def store():
-    client = redis.Redis(host="127.0.0.1", port=6379)
-    prefix = f"kvd-test-{secrets.token_hex(4)}:"
-    yield TemplateStore(client, prefix)
-    for key in client.scan_iter(f"{prefix}*"):
-        client.delete(key)
 
 
 def test_cached_templates_follow_deletes_and_new_contents(store):

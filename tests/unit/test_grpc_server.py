@@ -8,6 +8,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvd.common.field_error import FieldError, field_of
 from kvd.common.grpc_server import CallLimit, OpenCalls, build_server
 
 
@@ -27,6 +28,8 @@ def _raise(request: bytes, context):
     kind = request.decode()
     if kind == "value":
         raise ValueError("count: must be > 0")
+    if kind == "field":
+        raise FieldError("sampling.top_p", "sampling.top_p must be in (0, 1], got 2.0")
     if kind == "refused":
         raise Refused("over the cap")
     if kind == "abort":
@@ -171,3 +174,31 @@ def test_long_calls_past_the_limit_are_refused_at_once_while_other_calls_are_ser
 def test_a_limit_below_one_is_refused():
     with pytest.raises(ValueError, match="--max-open-requests must be >= 1, got 0"):
         OpenCalls(0, "--max-open-requests")
+
+
+@pytest.mark.parametrize("method", ["Unary", "Stream"])
+def test_a_refused_field_is_named_beside_the_status(served, method):
+    """A caller in another process learns the field from the trailing metadata, not the message."""
+    _, channel = served
+    with pytest.raises(grpc.RpcError) as refused:
+        if method == "Unary":
+            channel.unary_unary("/test.Raiser/Unary")(b"field", timeout=10)
+        else:
+            list(channel.unary_stream("/test.Raiser/Stream")(b"field", timeout=10))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details() == "sampling.top_p must be in (0, 1], got 2.0"
+    assert field_of(refused.value) == "sampling.top_p"
+
+
+def test_a_plain_value_error_names_no_field(served):
+    _, channel = served
+    with pytest.raises(grpc.RpcError) as refused:
+        channel.unary_unary("/test.Raiser/Unary")(b"value", timeout=10)
+    assert field_of(refused.value) is None
+
+
+def test_a_field_within_a_message_is_prefixed_by_it():
+    inner = FieldError("top_p", "top_p must be in (0, 1], got 2.0")
+    outer = inner.within("sampling")
+    assert (outer.field, str(outer)) == ("sampling.top_p", "sampling.top_p must be in (0, 1], got 2.0")
+    assert isinstance(outer, ValueError)

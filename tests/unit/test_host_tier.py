@@ -7,7 +7,7 @@ import torch
 
 from kvd.block import BlockState
 from kvd.block_pool import HOST, BlockPool, BlockRemoved, BlockStored
-from kvd.cache_manager import KVCacheManager
+from kvd.cache_manager import KVCacheManager, TierCopies
 from kvd.common.layout import CacheLayout
 from kvd.config import DaemonConfig
 from kvd.daemon import Daemon
@@ -115,14 +115,14 @@ def test_a_commit_offloads_only_new_content_and_holds_it_until_copied():
     request = manager.new_request("a", list(range(9)))
     manager.admit(request, token_budget=16)
     manager.commit(request, 9)
-    offloads, _ = manager.take_copies()
+    offloads = manager.take_copies().offloads
     assert [b for b, _ in offloads] == request.blocks[:2]
     manager.free(request)
     assert all(b.state is BlockState.COPYING for b, _ in offloads)
     twin = manager.new_request("b", list(range(9)))
     manager.admit(twin, token_budget=16)
     manager.commit(twin, 9)
-    assert manager.take_copies() == ([], []), "hits are not copied again"
+    assert manager.take_copies() == TierCopies(offloads=[], swap_ins=[]), "hits are not copied again"
 
 
 # ------------------------------------------------- bytes, through a daemon
@@ -162,7 +162,7 @@ def test_evicted_blocks_come_back_from_the_host_with_their_bytes(daemon):
     for i, block_id in enumerate(block_ids(out)[:2]):  # the engine writes the K/V
         cache[block_id].fill_(float(i + 1))
     run(daemon, session, done=("a", 9), finished=["a"])
-    assert daemon.drain_copies()
+    assert daemon.wait_for_copies()
     assert daemon.stats().num_host_cached_blocks == 2 and daemon.stats().num_copying_blocks == 0
     # Another prompt takes every device block: the document is evicted there.
     other = list(range(200, 216))
@@ -170,14 +170,14 @@ def test_evicted_blocks_come_back_from_the_host_with_their_bytes(daemon):
     for block_id in block_ids(out):
         cache[block_id].fill_(-1.0)
     run(daemon, session, done=("b", 16), finished=["b"])
-    assert daemon.drain_copies()
+    assert daemon.wait_for_copies()
     # The document again: served by the host tier, its bytes copied back.
     out = run(daemon, session, new=("c", doc + [2]))
     assert out.scheduled.num_cached_tokens[0] == 8 and out.scheduled.num_host_cached_tokens[0] == 8
     for i, block_id in enumerate(block_ids(out)[:2]):
         assert torch.equal(cache[block_id], torch.full_like(cache[block_id], float(i + 1)))
     run(daemon, session, finished=["c"])
-    assert daemon.drain_copies()
+    assert daemon.wait_for_copies()
     stats = daemon.stats()
     assert stats.host_hit_tokens == 8 and stats.bytes_from_host == 2 * LAYOUT.block_bytes
     assert stats.num_used_blocks == 0 and stats.num_copying_blocks == 0 and stats.num_host_blocks_read == 0
@@ -192,7 +192,7 @@ def test_a_prefix_may_alternate_between_tiers_block_by_block():
     first = manager.new_request("a", list(range(9)))
     manager.admit(first, token_budget=16)
     manager.commit(first, 9)
-    offloads, _ = manager.take_copies()
+    offloads = manager.take_copies().offloads
     for block, slot in offloads:
         pool.copy_finished(block)
         host.written(slot)
@@ -204,6 +204,6 @@ def test_a_prefix_may_alternate_between_tiers_block_by_block():
     again = manager.new_request("b", list(range(9)))
     admitted = manager.admit(again, token_budget=16)
     assert admitted.num_cached_tokens == 8 and admitted.num_host_cached_tokens == 4
-    _, swap_ins = manager.take_copies()
+    swap_ins = manager.take_copies().swap_ins
     assert [slot.block_hash for slot, _ in swap_ins] == [again.block_hashes[0]]
     assert again.blocks[1] is block1 and again.blocks[0] is swap_ins[0][1]

@@ -1,5 +1,6 @@
 """The HTTP API's pure parts: request bodies, their translation to the gateway's
-request, replies in OpenAI's shapes, statuses, and the cache key's routing."""
+request, replies in OpenAI's shapes, statuses and fields of errors, the call's
+lifetime and key, and the cache key's routing."""
 
 from __future__ import annotations
 
@@ -7,13 +8,16 @@ import grpc
 import pytest
 from pydantic import ValidationError
 
-from gateway.http_api.calls import CallFailed, LocalCall, api_error
-from gateway.http_api.schemas import ChatCompletionRequest, CompletionRequest
-from gateway.http_api.translate import Chunks, completion_body, generate_request
-from gateway.router import RouteKey, Router, RouterConfig, rendezvous
-from gateway.service import cache_key_member
+from gateway.http_api.errors import api_error
+from gateway.http_api.openai_schemas import ChatCompletionRequest, CompletionRequest
+from gateway.http_api.openai_translate import Chunks, completion_body, generate_request
+from gateway.http_api.threads import HttpCall
+from gateway.request_errors import InvalidField, RequestError
+from gateway.request_path import cache_key_member
+from gateway.router import NoReplica, RouteKey, Router, RouterConfig, rendezvous
 from gateway.templates import TemplateExists, TemplateNotFound
-from gateway.tenants import LimitExceeded
+from gateway.tenants import LimitExceeded, bearer_key
+from kvd.common.field_error import trailing_field
 from kvd_api.engine.v1 import engine_pb2 as epb
 from kvd_api.gateway.v1 import gateway_pb2 as pb
 
@@ -98,14 +102,33 @@ def test_stream_chunks_open_with_the_role_and_end_with_the_finish_and_the_usage(
     assert len({c["id"] for c in out}) == 1
 
 
+class EngineError(grpc.RpcError):
+    """An engine's error, as its gRPC stub raises it."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, field: str | None = None) -> None:
+        self._code, self._details, self._field = code, details, field
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return trailing_field(self._field)
+
+
 @pytest.mark.parametrize(
     "exc, status",
-    [(ValueError("temperature must be >= 0"), 400), (TemplateNotFound("template 'x' not found"), 404),
+    [(InvalidField("sampling.temperature", "temperature must be >= 0"), 400),
+     (EngineError(grpc.StatusCode.INVALID_ARGUMENT, "sampling.temperature must be a finite number >= 0",
+                      "sampling.temperature"), 400),
+     (TemplateNotFound("template 'x' not found"), 404),
      (TemplateExists("exists"), 409), (LimitExceeded("max_templates"), 429),
-     (CallFailed(grpc.StatusCode.UNAUTHENTICATED, "unknown API key"), 401),
-     (CallFailed(grpc.StatusCode.PERMISSION_DENIED, "scope"), 403),
-     (CallFailed(grpc.StatusCode.UNAVAILABLE, "no engine"), 503),
-     (CallFailed(grpc.StatusCode.DEADLINE_EXCEEDED, "late"), 504), (RuntimeError("bug"), 500)],
+     (RequestError(grpc.StatusCode.UNAUTHENTICATED, "unknown API key"), 401),
+     (RequestError(grpc.StatusCode.PERMISSION_DENIED, "scope"), 403),
+     (RequestError(grpc.StatusCode.UNAVAILABLE, "no engine"), 503), (NoReplica("no engine"), 503),
+     (RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, "late"), 504), (RuntimeError("bug"), 500)],
 )  # fmt: skip
 def test_errors_get_the_status_of_their_grpc_code(exc, status):
     error = api_error(exc)
@@ -114,16 +137,33 @@ def test_errors_get_the_status_of_their_grpc_code(exc, status):
         assert error.param == "temperature"
 
 
-def test_a_local_call_runs_its_callbacks_once_when_it_ends():
-    call, ran = LocalCall("Bearer k"), []
-    assert call.invocation_metadata() == (("authorization", "Bearer k"),)
+@pytest.mark.parametrize(
+    "field, param",
+    [("sampling.max_new_tokens", "max_tokens"), ("chat.messages[2].role", "messages"), ("cache_key",
+     "prompt_cache_key"), ("token_ids.ids", None), ("cache_salt", None), (None, None)],
+)  # fmt: skip
+def test_a_refused_field_is_named_as_openai_names_it(field, param):
+    assert api_error(InvalidField(field, "refused")).param == param
+
+
+def test_a_plain_value_error_names_no_field():
+    """Only an error that carries its field names one: no message is parsed for it."""
+    assert api_error(ValueError("temperature must be >= 0")).param is None
+
+
+def test_an_http_call_runs_its_callbacks_once_when_it_ends():
+    call, ran = HttpCall(), []
+    assert call.time_remaining() is None  # the client closes the connection instead
     assert call.add_callback(lambda: ran.append(1))
     call.end()
     call.end()
     assert ran == [1] and not call.is_active() and not call.add_callback(lambda: ran.append(2))
-    with pytest.raises(CallFailed):
-        call.abort(grpc.StatusCode.NOT_FOUND, "gone")
-    assert call.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_the_callers_key_is_the_first_bearer_token():
+    assert bearer_key(["Bearer k"]) == "k"
+    assert bearer_key(["Basic dXNlcg==", "bearer  k2 "]) == "k2"
+    assert bearer_key([]) is None and bearer_key(["Bearer "]) is None and bearer_key([b"Bearer k"]) is None
 
 
 def test_a_cache_key_routes_to_one_replica_within_its_tenant():

@@ -17,6 +17,7 @@ import sys
 import pytest
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.needs_triton
 
 RANDOM_STEPS = 100
 

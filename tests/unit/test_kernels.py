@@ -16,6 +16,8 @@ from inference.kernels.kv_store import store_kv
 from inference.kernels.launch import LaunchShape
 from inference.kernels.paged_attention import paged_attention
 
+pytestmark = pytest.mark.needs_triton
+
 BLOCK = 16
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3}
 

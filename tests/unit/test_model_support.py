@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import transformers
 
-from inference.app import EngineApp, EngineSettings
+from inference.app import EngineApp
+from inference.config import EngineSettings
 from inference.model_support import VERIFIED_FAMILIES, UnsupportedModel, check_supported
 
 

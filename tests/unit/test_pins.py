@@ -74,8 +74,8 @@ def test_pinned_blocks_survive_pressure_that_evicts_everything_else():
     pins.pin("sys", hashes(SYSTEM))
     taken = pool.allocate(pool.num_free)
     assert len(taken) == 6
-    assert manager.lookup(hashes(OTHER)) == 0
-    assert manager.lookup(hashes(SYSTEM)) == 8
+    assert manager.device_cached_tokens(hashes(OTHER)) == 0
+    assert manager.device_cached_tokens(hashes(SYSTEM)) == 8
     assert pool.allocate(1) is None
     pool.release(taken)
     # Still there after the pressure is gone, and a request now hits them.
@@ -161,7 +161,7 @@ def test_re_pinning_an_id_with_another_prefix_replaces_its_blocks_within_the_cap
     assert [b.ref_cnt for b in old] == [0, 0]
     assert {b.block_id for b in old} <= set(queue_ids(pool))
     assert [b.ref_cnt for b in new] == [1, 1]
-    assert manager.lookup(hashes(SYSTEM)) == 8  # unpinned, still cached
+    assert manager.device_cached_tokens(hashes(SYSTEM)) == 8  # unpinned, still cached
 
 
 def test_growing_a_pin_keeps_the_shared_blocks_out_of_the_free_queue():
@@ -185,7 +185,7 @@ def test_unpin_returns_the_blocks_to_the_free_queue_still_cached():
     assert pool.num_free == 8
     assert all(b.ref_cnt == 0 for b in blocks)
     assert queue_ids(pool)[-2:] == [b.block_id for b in reversed(blocks)]  # hashed: to the tail
-    assert manager.lookup(hashes(SYSTEM)) == 8
+    assert manager.device_cached_tokens(hashes(SYSTEM)) == 8
 
 
 def test_unpinning_one_of_two_sharing_pins_keeps_the_shared_blocks():
@@ -216,4 +216,4 @@ def test_reset_is_refused_while_a_pin_holds_blocks():
     pins.pin("sys", hashes(SYSTEM))
     with pytest.raises(ValueError):
         pool.reset()
-    assert manager.lookup(hashes(SYSTEM)) == 8
+    assert manager.device_cached_tokens(hashes(SYSTEM)) == 8

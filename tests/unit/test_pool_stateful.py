@@ -462,10 +462,10 @@ class PoolMachine(RuleBasedStateMachine):
             self.host.written(slot)
 
     @rule(data=st.data())
-    def lookup(self, data):
+    def count_device_cached_tokens(self, data):
         tokens, salt = self.draw_tokens(data, max_size=20)
         before = self.snapshot()
-        num_cached = self.manager.lookup(chain(tokens, salt))
+        num_cached = self.manager.device_cached_tokens(chain(tokens, salt))
         assert self.snapshot() == before
         self.assert_cached_prefix_was_committed(tokens, salt, num_cached)
 
@@ -473,7 +473,7 @@ class PoolMachine(RuleBasedStateMachine):
     def pin(self, data, pin_id):
         tokens, salt = self.draw_tokens(data, max_size=20)
         hashes = chain(tokens, salt)
-        num_cached = self.manager.lookup(hashes)
+        num_cached = self.manager.device_cached_tokens(hashes)
         others = {b for pid, ids in self.pinned.items() if pid != pin_id for b in ids}
         candidate = {b.block_id for b in self.pool.match_prefix(hashes)}
         before = self.snapshot()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from inference.engine import Engine
-from inference.requests import MAX_PROMPT_TOKENS_PER_STEP, Finish, RequestTable, Sequence
+from inference.requests import MAX_PROMPT_TOKENS_PER_STEP, Backlog, Finish, RequestTable, Sequence
 from inference.sampling import SamplingParams
 from inference.step_inputs import BlockTableRows
 from kvd_api.daemon.v1 import daemon_pb2 as pb
@@ -63,7 +63,7 @@ def test_a_running_sequences_row_persists_and_a_readmitted_ones_is_rewritten():
     table.add(a := seq("a", 8))
     table.build_step()
     rows = BlockTableRows(rows=2, width=4)
-    assign = lambda reply: rows.assign([Engine._chunk(w) for w in table.apply(reply)[0]])  # noqa: E731
+    assign = lambda reply: rows.assign([Engine._chunk(w) for w in table.apply_step_reply(reply).work])  # noqa: E731
 
     first = assign(scheduled(("a", 0, 8, 0, [7, 3])))
     a.output_ids.append(1)  # its sampled token
@@ -89,23 +89,23 @@ def test_a_reply_extends_tables_and_drops_preempted_ones():
     reply.scheduled.num_cached_tokens.append(4)
     reply.scheduled.num_new_blocks.append(2)
     reply.scheduled.new_block_ids.extend([7, 3])
-    work, released = table.apply(reply)
-    assert [(w.seq, w.first, w.end) for w in work] == [(a, 4, 6)] and released == []
+    step = table.apply_step_reply(reply)
+    assert [(w.seq, w.first, w.end) for w in step.work] == [(a, 4, 6)] and step.released == []
     assert a.block_table == [7, 3] and a.num_cached_prompt == 4
-    work, _ = table.apply(pb.StepResponse(preempted=["a"]))
-    assert work == [] and a.block_table == []
+    step = table.apply_step_reply(pb.StepResponse(preempted=["a"]))
+    assert step.work == [] and a.block_table == []
 
 
 def test_what_the_daemon_held_of_a_waiting_prompt_leaves_the_queued_work():
     table = RequestTable(max_num_seqs=2, token_budget=64)
     table.add(a := seq("a", 40))
     table.add(b := seq("b", 24))
-    assert table.load() == (64, 2)  # not told yet: whole prompts
+    assert table.backlog() == Backlog(queued_tokens=64, waiting=2)  # not told yet: whole prompts
     table.build_step()
-    table.apply(pb.StepResponse(arrival_cached_tokens=[32, 0]))  # in new_requests' order
+    table.apply_step_reply(pb.StepResponse(arrival_cached_tokens=[32, 0]))  # in new_requests' order
     assert (a.expected_cached, b.expected_cached) == (32, 0)
-    assert table.load() == (40 - 32 + 24, 2)
+    assert table.backlog() == Backlog(queued_tokens=40 - 32 + 24, waiting=2)
     table.add(seq("c", 16))
     table.build_step()
-    table.apply(pb.StepResponse())  # a daemon that sends no column changes nothing
-    assert table.load() == (40 - 32 + 24 + 16, 3)
+    table.apply_step_reply(pb.StepResponse())  # a daemon that sends no column changes nothing
+    assert table.backlog() == Backlog(queued_tokens=40 - 32 + 24 + 16, waiting=3)

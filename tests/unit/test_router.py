@@ -8,7 +8,7 @@ import pytest
 
 from gateway.block_index import BlockIndex, index_keys
 from gateway.endpoints import check_endpoint, expand
-from gateway.router import Load, NoReplica, Route, RouteKey, Router, RouterConfig, rendezvous
+from gateway.router import Cleared, Load, NoReplica, Removed, Route, RouteKey, Router, RouterConfig, Stored, rendezvous
 from kvd.common.hashing import encode_extra_keys, hash_token_ids
 
 A, B, C = "10.0.0.1:50052", "10.0.0.2:50052", "10.0.0.3:50052"
@@ -42,9 +42,9 @@ def test_a_template_goes_where_it_is_pinned_else_to_its_rendezvous_first():
 
 def test_a_prompt_goes_to_the_replica_holding_the_longest_run_of_its_blocks():
     r = router(A, B, C, policy="affinity")
-    r.apply(A, [("stored", PROMPT[:1], 0)])
-    r.apply(B, [("stored", PROMPT[:3], 0)])
-    r.apply(C, [("stored", PROMPT[1:], 0)])  # not a run from the first block
+    r.record_events(A, [Stored(PROMPT[:1], 0)])
+    r.record_events(B, [Stored(PROMPT[:3], 0)])
+    r.record_events(C, [Stored(PROMPT[1:], 0)])  # not a run from the first block
     assert r.choose(RouteKey(block_hashes=PROMPT)) == B
     # Unknown everywhere: the first block's rendezvous order, the same each time.
     fresh = hashes(list(range(100, 164)))
@@ -56,13 +56,13 @@ def test_a_prompt_goes_to_the_replica_holding_the_longest_run_of_its_blocks():
 
 def test_events_update_what_a_replica_holds():
     r = router(A, B, policy="affinity")
-    r.apply(A, [("stored", PROMPT, 0)])
+    r.record_events(A, [Stored(PROMPT, 0)])
     assert r.choose(RouteKey(block_hashes=PROMPT)) == A
-    r.apply(A, [("removed", PROMPT[:1], 0)])  # its first block was evicted: no run left
-    r.apply(B, [("stored", PROMPT[:2], 0)])
+    r.record_events(A, [Removed(PROMPT[:1], 0)])  # its first block was evicted: no run left
+    r.record_events(B, [Stored(PROMPT[:2], 0)])
     assert r.choose(RouteKey(block_hashes=PROMPT)) == B
-    r.apply(B, [("cleared", (), 0)])
-    r.apply(A, [("stored", PROMPT[:1], 0)])
+    r.record_events(B, [Cleared()])
+    r.record_events(A, [Stored(PROMPT[:1], 0)])
     assert r.choose(RouteKey(block_hashes=PROMPT)) == A
     r.forget(A)  # its event stream broke
     assert [s.known_blocks for s in r.snapshot()] == [0, 0]
@@ -70,16 +70,16 @@ def test_events_update_what_a_replica_holds():
 
 def test_a_block_is_held_while_stored_in_any_tier():
     r = router(A, B, policy="affinity")
-    r.apply(A, [("stored", PROMPT, 0), ("stored", PROMPT, 1), ("removed", PROMPT, 0)])
+    r.record_events(A, [Stored(PROMPT, 0), Stored(PROMPT, 1), Removed(PROMPT, 0)])
     assert r.choose(RouteKey(block_hashes=PROMPT)) == A
     assert (r.snapshot()[0].known_blocks, r.snapshot()[0].known_host_blocks) == (0, len(PROMPT))
-    r.apply(A, [("removed", PROMPT, 1)])
+    r.record_events(A, [Removed(PROMPT, 1)])
     assert r.snapshot()[0].known_host_blocks == 0
 
 
 def test_an_overloaded_target_spills_to_the_least_loaded():
     r = router(A, B, C, policy="affinity", load_factor=1.0, load_slack=1.0)
-    r.apply(A, [("stored", PROMPT, 0)])
+    r.record_events(A, [Stored(PROMPT, 0)])
     key = RouteKey(block_hashes=PROMPT)
     placed = []
     for _ in range(6):
@@ -95,7 +95,7 @@ def test_an_overloaded_target_spills_to_the_least_loaded():
 
 def test_the_default_bound_keeps_affinity_under_moderate_imbalance():
     r = router(A, B, policy="affinity")
-    r.apply(A, [("stored", PROMPT, 0)])
+    r.record_events(A, [Stored(PROMPT, 0)])
     for _ in range(3):
         r.started(A)
     # mean = (3 + 1) / 2 = 2; 1.5 * 2 + 2 = 5 >= 4: A still takes it, and up to
@@ -110,7 +110,7 @@ def test_the_default_bound_keeps_affinity_under_moderate_imbalance():
 
 def test_replicas_that_do_not_serve_are_skipped():
     r = router(A, B, policy="affinity")
-    r.apply(A, [("stored", PROMPT, 0)])
+    r.record_events(A, [Stored(PROMPT, 0)])
     r.set_serving(A, False)
     assert r.choose(RouteKey(block_hashes=PROMPT)) == B
     assert r.choose(RouteKey()) == B
@@ -121,14 +121,14 @@ def test_replicas_that_do_not_serve_are_skipped():
 
 def test_round_robin_takes_turns_and_ignores_affinity():
     r = router(A, B, C, policy="round-robin")
-    r.apply(A, [("stored", PROMPT, 0)])
+    r.record_events(A, [Stored(PROMPT, 0)])
     picks = [r.choose(RouteKey(block_hashes=PROMPT)) for _ in range(6)]
     assert sorted(set(picks)) == [A, B, C] and picks[:3] == picks[3:]
 
 
 def test_replicas_come_and_go():
     r = router(A, B)
-    r.apply(A, [("stored", PROMPT, 0)])
+    r.record_events(A, [Stored(PROMPT, 0)])
     r.set_replicas([B, C])  # A's pod is gone, C's is new (not serving until checked)
     assert r.addresses() == [B, C] and r.serving() == [B]
     r.set_serving(C, True)
@@ -177,7 +177,7 @@ def test_cost_prefers_the_replica_holding_the_prompt_while_its_queue_is_short():
     clock = [0.0]
     r = router(A, B, C, clock=lambda: clock[0])
     prompt = key(LONG)
-    r.apply(B, [("stored", prompt.block_hashes[:30], 0)])
+    r.record_events(B, [Stored(prompt.block_hashes[:30], 0)])
     assert r.route(prompt) == Route(B, 640 - 30 * 16)
     # B reports a long queue: 10 uncached blocks elsewhere cost less than waiting.
     for address in (A, C):
@@ -211,7 +211,7 @@ def test_a_busier_fleet_weighs_a_cache_miss_more():
     clock = [0.0]
     r = router(A, B, C, clock=lambda: clock[0])
     prompt = key(LONG)  # 640 tokens: B holds 480 of them
-    r.apply(B, [("stored", prompt.block_hashes[:30], 0)])
+    r.record_events(B, [Stored(prompt.block_hashes[:30], 0)])
     r.started(A, 640)  # a request's uncached tokens, as this gateway has seen them
     clock[0] = 1.0
     rate = {"forward_s": 0.0, "token_s": 1e-4, "token_budget": 2048}
@@ -242,7 +242,7 @@ def test_cost_spreads_new_conversations_behind_a_shared_system_prompt():
     r = router(*[f"10.0.1.{i}:1" for i in range(8)])
     system = list(range(320))  # 20 blocks every replica holds
     for address in r.addresses():
-        r.apply(address, [("stored", hashes(system), 0)])
+        r.record_events(address, [Stored(hashes(system), 0)])
     picks = {r.choose(key(system + [10_000 + c] * 64)) for c in range(64)}
     assert len(picks) >= 6  # by each conversation's own first block, not the address order
     # The same conversation asked again goes to the same replica (nothing queued anywhere).
@@ -255,7 +255,7 @@ def test_a_replica_lacking_only_the_fleets_common_prefix_still_gets_new_conversa
     r = router(*addresses)
     system = list(range(320))
     for address in addresses[:3]:  # the fourth is new: its cache is empty
-        r.apply(address, [("stored", hashes(system), 0)])
+        r.record_events(address, [Stored(hashes(system), 0)])
     picks = {r.choose(key(system + [20_000 + c] * 64)) for c in range(40)}
     assert addresses[3] in picks and len(picks) == 4
 
@@ -267,7 +267,7 @@ def test_cost_keeps_a_templated_request_on_the_template_replica():
     r.place("acme/bot", C)
     assert r.choose(prompt) == C  # no event yet: the pin says it is there
     for address in (A, B, C):  # cached everywhere (A and B stood in for it): a tie, its replica wins
-        r.apply(address, [("stored", prompt.block_hashes[:12], 0)])
+        r.record_events(address, [Stored(prompt.block_hashes[:12], 0)])
     assert r.choose(prompt) == C
     r.set_serving(C, False)
     assert r.choose(prompt) == rendezvous(b"acme/bot", [A, B])[0]
@@ -308,10 +308,10 @@ def test_a_turn_sent_before_its_previous_turn_is_prefilled_follows_it():
     following = key(LONG)  # its prompt extends the first's
     assert r.route(following) == Route(route.address, 640 - 20 * 16)
     # Its prefill ended and the daemon's events say the same: no promise is left over.
-    r.apply(route.address, [("stored", first.block_hashes, 0)])
+    r.record_events(route.address, [Stored(first.block_hashes, 0)])
     r.prefilled(route.address, ticket)
     assert r.route(following) == Route(route.address, 640 - 20 * 16)
-    r.apply(route.address, [("removed", first.block_hashes, 0)])
+    r.record_events(route.address, [Removed(first.block_hashes, 0)])
     assert r.route(following).uncached_tokens == 640
 
 
@@ -332,7 +332,7 @@ def test_promised_blocks_count_every_request_that_promised_them():
 
 def test_a_request_refused_by_a_replica_goes_to_another_and_none_left_is_unavailable():
     r = router(A, B, policy="cost")
-    r.apply(A, [("stored", PROMPT, 0)])
+    r.record_events(A, [Stored(PROMPT, 0)])
     key = RouteKey(block_hashes=PROMPT, num_tokens=64, block_size=16)
     assert r.route(key).address == A
     assert r.route(key, exclude={A}).address == B  # A handed it back (draining)

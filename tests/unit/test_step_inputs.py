@@ -81,6 +81,7 @@ def run(model, backend, cache, steps):
     return [runner.forward(chunks) for chunks in steps]
 
 
+@pytest.mark.needs_triton
 def test_the_real_model_through_the_triton_backend_matches_torch(smollm):
     """Two prompts prefilled in chunks, then decodes and a chunk in one step."""
     config = smollm.config

@@ -8,7 +8,7 @@ import pytest
 from inference import model_store
 from inference.requests import Finish, Sequence
 from inference.sampling import SamplingParams
-from inference.streams import StreamWriter
+from inference.streams import SampledToken, StreamError, StreamEvent, StreamFinished, StreamTokens, StreamWriter
 
 
 @pytest.fixture(scope="module")
@@ -16,7 +16,8 @@ def tokenizer(model_dir):
     return model_store.load_tokenizer(model_dir)
 
 
-def drain(seq: Sequence) -> list[tuple]:
+def events_of(seq: Sequence) -> list[StreamEvent]:
+    """Every event written for ``seq`` so far."""
     events = []
     while not seq.events.empty():
         events.append(seq.events.get_nowait())
@@ -36,47 +37,47 @@ def run(tokenizer, text: str, stop=(), finish_last: Finish | None = None):
             if final:
                 seq.finish = finish_last
             seq.output_ids.append(token)
-            writer.tokens([(seq, token, -0.5, None, final)])
+            writer.tokens([SampledToken(seq, token, -0.5, None, final)])
         if seq.finish is None:  # the loop heard of the stop and cancelled it
             seq.finish = Finish.STOP if stopped else Finish.LENGTH
         writer.finished(seq)
         assert writer.flush()
     finally:
         writer.close()
-    return ids, drain(seq), stopped
+    return ids, events_of(seq), stopped
 
 
 def test_tokens_after_a_stop_string_are_dropped_and_the_count_ends_at_it(tokenizer):
     ids, events, stopped = run(tokenizer, "The answer is forty-two. END OF STORY and more words", stop=["END OF"])
-    tokens = [e[1][0] for e in events if e[0] == "tokens"]
-    text = "".join(e[3] for e in events if e[0] == "tokens")
+    tokens = [e.token_ids[0] for e in events if isinstance(e, StreamTokens)]
+    text = "".join(e.text for e in events if isinstance(e, StreamTokens))
     assert stopped == ["r1"]
     assert text == "The answer is forty-two. "
     assert "END OF" in tokenizer.decode(tokens) and "END OF" not in tokenizer.decode(tokens[:-1])
     assert tokens == ids[: len(tokens)] and len(tokens) < len(ids)
-    assert events[-1] == ("finished", Finish.STOP, len(tokens))
+    assert events[-1] == StreamFinished(Finish.STOP, len(tokens))
 
 
 def test_without_a_stop_every_token_streams_and_held_text_is_released_at_the_end(tokenizer):
     ids, events, stopped = run(tokenizer, "It ended with END", stop=["END OF"], finish_last=Finish.LENGTH)
     assert stopped == []
-    assert "".join(e[3] for e in events if e[0] == "tokens") == "It ended with END"
-    assert events[-1] == ("finished", Finish.LENGTH, len(ids))
+    assert "".join(e.text for e in events if isinstance(e, StreamTokens)) == "It ended with END"
+    assert events[-1] == StreamFinished(Finish.LENGTH, len(ids))
 
 
 def test_eos_at_the_stop_strings_own_token_wins_as_in_the_loop(tokenizer):
     ids, events, stopped = run(tokenizer, "one two END OF", stop=["END OF"], finish_last=Finish.EOS)
     assert stopped == []  # the loop already ended it
-    assert events[-1] == ("finished", Finish.EOS, len(ids))
+    assert events[-1] == StreamFinished(Finish.EOS, len(ids))
 
 
 def test_an_error_follows_the_tokens_sent_before_it(tokenizer):
     writer = StreamWriter(tokenizer, on_stop=lambda request_id: None)
     seq = Sequence("r2", [1], SamplingParams())
     try:
-        writer.tokens([(seq, 42, 0.0, None, False)])
+        writer.tokens([SampledToken(seq, 42, 0.0, None, False)])
         writer.error(seq, "the KV-cache daemon is unavailable")
         assert writer.flush()
     finally:
         writer.close()
-    assert [e[0] for e in drain(seq)] == ["tokens", "error"]
+    assert [type(e) for e in events_of(seq)] == [StreamTokens, StreamError]

@@ -1,4 +1,4 @@
-"""The HTTP API's request bodies (pydantic), as OpenAI's API names their fields.
+"""The OpenAI surface's request bodies (pydantic), as OpenAI's API names their fields.
 
 Every model forbids fields it does not name, so a misspelt or unsupported
 field is a 400 naming it rather than silently ignored. OpenAI fields kvd does
@@ -13,13 +13,12 @@ vLLM's API names them).
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-INT64 = 2**63
-Int64 = Annotated[int, Field(ge=-INT64, lt=INT64)]
-Int32 = Annotated[int, Field(ge=-(2**31), lt=2**31)]
+from gateway.http_api.common import Int64
+from gateway.request_errors import InvalidField
 
 # field -> the value(s) that change nothing; anything else is refused.
 _NO_OP: dict[str, tuple] = {
@@ -60,7 +59,7 @@ class Unsupported(BaseModel):
     def _refuse(self):
         for name in type(self).model_fields:
             if name in _NO_OP and getattr(self, name) not in _NO_OP[name]:
-                raise ValueError(f"{name}: not supported by kvd (leave it out)")
+                raise InvalidField(name, f"{name}: not supported by kvd (leave it out)")
         return self
 
 
@@ -118,7 +117,7 @@ class Sampling(Unsupported):
     @model_validator(mode="after")
     def _stream_options(self):
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options: only allowed with stream: true")
+            raise InvalidField("stream_options", "stream_options: only allowed with stream: true")
         return self
 
     def stops(self) -> list[str]:
@@ -148,11 +147,11 @@ class ChatCompletionRequest(Sampling):
     @model_validator(mode="after")
     def _chat_fields(self):
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs: needs logprobs: true")
+            raise InvalidField("top_logprobs", "top_logprobs: needs logprobs: true")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
-            raise ValueError("max_completion_tokens: give it or max_tokens, not both")
+            raise InvalidField("max_completion_tokens", "max_completion_tokens: give it or max_tokens, not both")
         if not self.messages and self.template is None:
-            raise ValueError("messages: empty (give messages, or a template alone)")
+            raise InvalidField("messages", "messages: empty (give messages, or a template alone)")
         return self
 
     def new_tokens(self) -> int | None:
@@ -171,30 +170,9 @@ class CompletionRequest(Sampling):
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             if len(prompt) != 1:
-                raise ValueError(f"prompt: a batch of {len(prompt)} prompts; kvd takes one per request")
+                raise InvalidField("prompt", f"prompt: a batch of {len(prompt)} prompts; kvd takes one per request")
             self.prompt = prompt[0]
         return self
 
     def new_tokens(self) -> int | None:
         return self.max_tokens
-
-
-class TemplateMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    role: str
-    content: str
-
-
-class TemplateCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    name: str
-    content: str = ""
-    messages: list[TemplateMessage] = []
-    ttl_seconds: Int64 = 0
-    description: str = ""
-
-
-class TemplateUpdate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    ttl_seconds: Int64 | None = None
-    description: str | None = None
