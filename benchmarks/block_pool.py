@@ -596,7 +596,7 @@ def verdict(args: argparse.Namespace, report: dict[str, Any]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    return harness.main(args, measure=measure, report=report, table=table, verdict=lambda report: verdict(args, report))
+    return harness.main(args, measure=measure, report=report, table=table, verdict=verdict)
 
 
 if __name__ == "__main__":

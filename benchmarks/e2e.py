@@ -469,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
         measure=measure,
         report=report,
         table=table,
-        verdict=lambda report: verdict(args, report),
+        verdict=verdict,
         workdir_prefix="kvd-e2e-",
     )
 

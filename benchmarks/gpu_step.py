@@ -370,7 +370,7 @@ def measure_saving(args: argparse.Namespace, _folder: Path) -> dict[str, Any]:
     return run(args.quick, lambda results: harness.write_json(args.json, report(args, results, complete=False)))
 
 
-def failed(report: dict[str, Any]) -> int:
+def failed(_args: argparse.Namespace, report: dict[str, Any]) -> int:
     """1 when a case failed."""
     return 1 if report["results"]["errors"] else 0
 

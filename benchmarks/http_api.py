@@ -254,7 +254,7 @@ def report(args: argparse.Namespace, measured: dict[str, Any]) -> dict[str, Any]
     return harness.rounded(harness.stack_report("http_api", args.quick, workload, results, ratios))
 
 
-def errors(report: dict[str, Any]) -> int:
+def errors(_args: argparse.Namespace, report: dict[str, Any]) -> int:
     """1 when a request failed."""
     return 1 if sum(by_level["errors"] for v in VARIANTS for by_level in report["results"][v].values()) else 0
 

@@ -279,7 +279,7 @@ def table(data: dict[str, Any]) -> str:
     return harness.format_table(["soak", "value"], rows)
 
 
-def unexpected_errors_or_leaks(data: dict[str, Any]) -> int:
+def unexpected_errors_or_leaks(_args: argparse.Namespace, data: dict[str, Any]) -> int:
     """1 when a request failed with an undocumented status or a block stayed held."""
     soak = data["results"]["soak"]
     held = soak["blocks_held_after"]

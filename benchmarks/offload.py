@@ -516,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
         measure=run,
         report=report,
         table=table,
-        verdict=lambda report: verdict(args, report),
+        verdict=verdict,
         workdir_prefix="kvd-offload-",
     )
 

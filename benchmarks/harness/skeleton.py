@@ -10,7 +10,7 @@ with ``turn_order``, and hands the rest to ``main``::
             measure=run,             # (args, folder) -> what it measured
             report=report,           # (args, measured) -> the JSON (report.stack_report's shape)
             table=table,             # (the JSON) -> the text printed
-            verdict=failed_requests, # (the JSON) -> the exit status (default 0)
+            verdict=failed_requests, # (args, the JSON) -> the exit status (default 0)
         )
 """
 
@@ -73,7 +73,7 @@ def main(
     measure: Callable[[argparse.Namespace, Path], Any],
     report: Callable[[argparse.Namespace, Any], Report],
     table: Callable[[Report], str],
-    verdict: Callable[[Report], int] = lambda _report: 0,
+    verdict: Callable[[argparse.Namespace, Report], int] = lambda _args, _report: 0,
     workdir_prefix: str = "kvd-bench-",
 ) -> int:
     """Measures in a fresh folder (``args.workdir`` when the script has that
@@ -84,4 +84,4 @@ def main(
     out = report(args, measured)
     write_json(args.json, out)
     print(table(out))
-    return verdict(out)
+    return verdict(args, out)

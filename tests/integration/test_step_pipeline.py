@@ -232,8 +232,9 @@ def test_one_engines_death_never_touches_the_others_requests(workdir):
         doomed.session._stop.set()
         doomed._stop.set()
         doomed._thread.join(10)
-        time.sleep(1.3)
-        assert len(daemon.daemon.reap_expired()) == 1
+        reaped = []  # the doomed session, once its 1 s lease lapses
+        assert wait_for(lambda: reaped.extend(daemon.daemon.reap_expired()) or reaped, 10)
+        assert len(reaped) == 1
         for seq, prompt in long_ones:
             assert collect(seq) == (reference(prompt, 40), "finished:length")
         with daemon.client() as client:
