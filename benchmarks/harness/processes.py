@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -39,6 +39,20 @@ def free_port_at(port: int) -> bool:
         except OSError:
             return False
         return True
+
+
+def wait_for(condition: Callable[[], object], timeout_s: float = 15.0, interval_s: float = 0.05) -> bool:
+    """Polls ``condition`` until it holds or the time is up; returns whether it held last.
+
+    A test or a benchmark waits for a state this way, never for a fixed time:
+    the machine may be slow or shared.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(interval_s)
+    return bool(condition())
 
 
 def wait_serving(address: str, timeout_s: float = 20.0, process: subprocess.Popen | None = None) -> None:

