@@ -15,7 +15,7 @@ from gateway.request_errors import RequestError
 from gateway.router import NoReplica
 from gateway.templates import StoreUnavailable, TemplateExists, TemplateNotFound
 from gateway.tenants import LimitExceeded
-from kvd.common.field_error import field_of
+from kvd.common.field_error import FieldError, field_of
 from kvd.common.grpc_server import StatusTable, status_of
 
 # First match wins.
@@ -43,6 +43,8 @@ def as_request_error(exc: BaseException) -> RequestError | None:
     not the caller's to act on (a bug: an internal error)."""
     if isinstance(exc, RequestError):
         return exc
+    if isinstance(exc, FieldError):
+        return RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field)
     if isinstance(exc, grpc.RpcError):
         return from_engine(exc)
     status = status_of(STATUS_BY_ERROR, exc) if isinstance(exc, Exception) else None

@@ -8,7 +8,7 @@
   the model's chat template, token for token what ``apply_chat_template``
   gives for them. Its stored tokens are its messages rendered alone, which
   ``template_ids`` checked, at creation, to begin such renderings.
-- Any other pairing is an ``InvalidField`` (INVALID_ARGUMENT) saying what to
+- Any other pairing is an ``FieldError`` (INVALID_ARGUMENT) saying what to
   send: text glued in front of a rendered conversation is no chat prompt.
 """
 
@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from gateway.request_errors import InvalidField
 from gateway.templates import Template
 from gateway.tokenizer import GatewayTokenizer, Message, generation_prompt, messages_of
+from kvd.common.field_error import FieldError
 
 # Conversations a chat template's messages must begin, token for token.
 _FOLLOW_UPS: tuple[tuple[Message, ...], ...] = (
@@ -32,20 +32,20 @@ def template_ids(tokenizer: GatewayTokenizer, content: str, messages: Sequence[M
     """A new template's token ids.
 
     Raises:
-        InvalidField: neither or both of content and messages; messages whose
+        FieldError: neither or both of content and messages; messages whose
             rendering changes when a conversation follows them (this model's
             chat template would not keep them as a prefix).
     """
     if content and messages:
-        raise InvalidField(None, "give the template's content or its messages, not both")
+        raise FieldError(None, "give the template's content or its messages, not both")
     if not content and not messages:
-        raise InvalidField("content", "content must not be empty (or give messages: a chat template)")
+        raise FieldError("content", "content must not be empty (or give messages: a chat template)")
     if content:
         return tokenizer.text_ids(content)
     ids = tokenizer.chat_ids(messages, add_generation_prompt=False)
     for follow_up in _FOLLOW_UPS:
         if tokenizer.chat_ids([*messages, *follow_up], add_generation_prompt=True)[: len(ids)] != ids:
-            raise InvalidField(
+            raise FieldError(
                 "messages",
                 "messages: this model's chat template renders them differently once a conversation follows, "
                 "so their tokens cannot be a cached prefix of chat requests; send the messages with each request",
@@ -65,7 +65,7 @@ def templated_ids(tokenizer: GatewayTokenizer, template: Template, request) -> T
     kind = request.WhichOneof("prompt")
     if template.messages:
         if kind not in (None, "chat"):
-            raise InvalidField(
+            raise FieldError(
                 "template",
                 f"template {template.name!r} holds chat messages: send the prompt as chat messages (or none)",
             )
@@ -78,7 +78,7 @@ def templated_ids(tokenizer: GatewayTokenizer, template: Template, request) -> T
         count = len(template.token_ids)
         return TemplatedIds(ids, count if ids[:count] == template.token_ids else 0)
     if kind == "chat":
-        raise InvalidField(
+        raise FieldError(
             "template",
             f"template {template.name!r} holds text, not chat messages: a chat request needs a template "
             "created with messages (or send the prompt as text)",

@@ -5,7 +5,9 @@ The gRPC API turns it into its status, the HTTP API into its status code and
 OpenAI's error JSON, whose ``param`` is ``field`` in OpenAI's naming
 (``gateway.error_statuses`` maps every exception of the request path). A
 field is named as the gRPC request names it: ``sampling.max_new_tokens``,
-``chat.messages[2].role``.
+``chat.messages[2].role``. A refused field's value raises the processes'
+shared ``kvd.common.field_error.FieldError`` instead (INVALID_ARGUMENT), which
+the gRPC API also names beside its status, as the engines do.
 """
 
 from __future__ import annotations
@@ -24,11 +26,3 @@ class RequestError(Exception):
 
     def status(self) -> tuple[grpc.StatusCode, str]:
         return self.code, self.message
-
-
-class InvalidField(RequestError, ValueError):
-    """A field's value is refused (INVALID_ARGUMENT). Also a ``ValueError``:
-    caller misuse, as every check of a value in this project raises."""
-
-    def __init__(self, field: str | None, message: str) -> None:
-        super().__init__(grpc.StatusCode.INVALID_ARGUMENT, message, field)

@@ -38,13 +38,13 @@ from gateway.prompts import own_ids, template_ids, templated_ids
 from gateway.relay import CallLifetime, EngineRequest, Relay
 from gateway.replicas import ReplicaPool
 from gateway.request_checks import check_create, check_generate, check_list, check_update
-from gateway.request_errors import InvalidField
 from gateway.route_types import ReplicaView
 from gateway.router import NoReplica, RouteKey
 from gateway.template_cache import TemplateCache
 from gateway.templates import StoreUnavailable, Template, TemplatePage, TemplateStore, check_name, warm_member
 from gateway.tenants import Authenticator, Principal, RequestSlots, TenantLimits, tenant_salt
 from gateway.tokenizer import GatewayTokenizer, Message
+from kvd.common.field_error import FieldError
 from kvd.common.hashing import encode_extra_keys, hash_token_ids
 from kvd_api.engine.v1 import engine_pb2 as epb
 from kvd_api.gateway.v1 import gateway_pb2 as pb
@@ -191,7 +191,7 @@ class RequestPath:
         engine = self.pool.any_serving()
         max_context = engine.model_info().max_context
         if len(token_ids) >= max_context:
-            raise InvalidField(
+            raise FieldError(
                 None,
                 f"the template is {len(token_ids)} tokens; the model's context of {max_context} tokens "
                 "leaves no room for a prompt",

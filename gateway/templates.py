@@ -35,9 +35,9 @@ from typing import NamedTuple
 
 import redis
 
-from gateway.request_errors import InvalidField
 from gateway.template_scripts import TemplateScripts
 from gateway.tenants import LimitExceeded, TenantLimits
+from kvd.common.field_error import FieldError
 
 NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
 MAX_PAGE_SIZE = 500
@@ -80,19 +80,19 @@ class TemplatePage(NamedTuple):
 
 def check_name(name: str, field: str = "name") -> None:
     if not NAME.match(name):
-        raise InvalidField(
+        raise FieldError(
             field, f"{field}: {name[:200]!r} is not allowed as a template name: use [a-z0-9][a-z0-9._-]{{0,127}}"
         )
 
 
 def check_ttl(ttl_seconds: int) -> None:
     if not 0 <= ttl_seconds <= MAX_TTL_S:
-        raise InvalidField("ttl_seconds", f"ttl_seconds must be in [0, {MAX_TTL_S}] (0: no expiry), got {ttl_seconds}")
+        raise FieldError("ttl_seconds", f"ttl_seconds must be in [0, {MAX_TTL_S}] (0: no expiry), got {ttl_seconds}")
 
 
 def check_description(description: str) -> None:
     if len(description) > MAX_DESCRIPTION:
-        raise InvalidField("description", f"description is {len(description)} characters; at most {MAX_DESCRIPTION}")
+        raise FieldError("description", f"description is {len(description)} characters; at most {MAX_DESCRIPTION}")
 
 
 class TemplateStore:
@@ -132,14 +132,14 @@ class TemplateStore:
         """Stores a new template (``pin_blocks``: the blocks it will pin).
 
         Raises:
-            InvalidField: a bad name, empty content or a negative TTL.
+            FieldError: a bad name, empty content or a negative TTL.
             TemplateExists: the tenant already has this name.
             LimitExceeded: past the tenant's template or pinned-block limit.
         """
         check_name(name)
         check_ttl(ttl_seconds)
         if not (content or messages) or not token_ids:
-            raise InvalidField("content", "template content must not be empty")
+            raise FieldError("content", "template content must not be empty")
         limits = limits or TenantLimits()
         fields = {
             "content": content,
@@ -208,7 +208,7 @@ class TemplateStore:
     def list(self, tenant: str, page_size: int = 0, page_token: str = "") -> TemplatePage:
         """A page of templates in name order."""
         if page_size < 0:
-            raise InvalidField("page_size", f"page_size must be >= 0, got {page_size}")
+            raise FieldError("page_size", f"page_size must be >= 0, got {page_size}")
         size = min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
         start = f"({self._after(tenant, page_token)}" if page_token else "-"
         found: list[Template] = []
@@ -235,7 +235,7 @@ class TemplateStore:
     def _after(self, tenant: str, page_token: str) -> str:
         last_name, _, signature = page_token.rpartition(".")
         if not (NAME.match(last_name) and hmac.compare_digest(signature, self._signature(tenant, last_name))):
-            raise InvalidField("page_token", "page_token: not a token from a previous ListTemplates page")
+            raise FieldError("page_token", "page_token: not a token from a previous ListTemplates page")
         return last_name
 
     def _signature(self, tenant: str, last_name: str) -> str:

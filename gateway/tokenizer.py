@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from gateway.request_errors import InvalidField
+from kvd.common.field_error import FieldError
 from kvd_api.engine.v1 import engine_pb2 as epb
 
 Message = tuple[str, str]  # (role, content)
@@ -37,7 +37,7 @@ class GatewayTokenizer:
     def chat_ids(self, messages: Sequence[Message], add_generation_prompt: bool) -> list[int]:
         """``messages`` rendered with the model's chat template, as token ids."""
         if not messages:
-            raise InvalidField("chat.messages", "chat.messages is empty")
+            raise FieldError("chat.messages", "chat.messages is empty")
         encoded = self._loaded().apply_chat_template(
             [{"role": role, "content": content} for role, content in messages],
             add_generation_prompt=add_generation_prompt,

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from gateway.error_statuses import as_request_error
-from gateway.request_errors import InvalidField
+from kvd.common.field_error import FieldError
 
 log = logging.getLogger("gateway.http")
 
@@ -135,8 +135,8 @@ async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONRe
     param = ".".join(loc) or None
     message = first.get("msg", "invalid request body")
     cause = first.get("ctx", {}).get("error")
-    if isinstance(cause, InvalidField):  # a body's own check (the schemas'): it names its field
-        message, param = cause.message, cause.field
+    if isinstance(cause, FieldError):  # a body's own check (the schemas'): it names its field
+        message, param = str(cause), cause.field
     elif message.startswith("Value error, "):
         message = message.removeprefix("Value error, ")
     elif param:

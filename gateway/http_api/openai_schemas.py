@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gateway.http_api.common import Int64
-from gateway.request_errors import InvalidField
+from kvd.common.field_error import FieldError
 
 # field -> the value(s) that change nothing; anything else is refused.
 _NO_OP: dict[str, tuple] = {
@@ -59,7 +59,7 @@ class Unsupported(BaseModel):
     def _refuse(self):
         for name in type(self).model_fields:
             if name in _NO_OP and getattr(self, name) not in _NO_OP[name]:
-                raise InvalidField(name, f"{name}: not supported by kvd (leave it out)")
+                raise FieldError(name, f"{name}: not supported by kvd (leave it out)")
         return self
 
 
@@ -117,7 +117,7 @@ class Sampling(Unsupported):
     @model_validator(mode="after")
     def _stream_options(self):
         if self.stream_options is not None and not self.stream:
-            raise InvalidField("stream_options", "stream_options: only allowed with stream: true")
+            raise FieldError("stream_options", "stream_options: only allowed with stream: true")
         return self
 
     def stops(self) -> list[str]:
@@ -147,11 +147,11 @@ class ChatCompletionRequest(Sampling):
     @model_validator(mode="after")
     def _chat_fields(self):
         if self.top_logprobs and not self.logprobs:
-            raise InvalidField("top_logprobs", "top_logprobs: needs logprobs: true")
+            raise FieldError("top_logprobs", "top_logprobs: needs logprobs: true")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
-            raise InvalidField("max_completion_tokens", "max_completion_tokens: give it or max_tokens, not both")
+            raise FieldError("max_completion_tokens", "max_completion_tokens: give it or max_tokens, not both")
         if not self.messages and self.template is None:
-            raise InvalidField("messages", "messages: empty (give messages, or a template alone)")
+            raise FieldError("messages", "messages: empty (give messages, or a template alone)")
         return self
 
     def new_tokens(self) -> int | None:
@@ -170,7 +170,7 @@ class CompletionRequest(Sampling):
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             if len(prompt) != 1:
-                raise InvalidField("prompt", f"prompt: a batch of {len(prompt)} prompts; kvd takes one per request")
+                raise FieldError("prompt", f"prompt: a batch of {len(prompt)} prompts; kvd takes one per request")
             self.prompt = prompt[0]
         return self
 

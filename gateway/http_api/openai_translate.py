@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from gateway.http_api.openai_schemas import ChatCompletionRequest, CompletionRequest
-from gateway.request_errors import InvalidField
+from kvd.common.field_error import FieldError
 from kvd_api.engine.v1 import engine_pb2 as epb
 from kvd_api.gateway.v1 import gateway_pb2 as pb
 
@@ -31,7 +31,7 @@ TokenText = Callable[[int], str]
 
 
 def generate_request(body: ChatCompletionRequest | CompletionRequest) -> pb.GenerateRequest:
-    """The gateway's request for an OpenAI request (InvalidField: a value gRPC cannot carry)."""
+    """The gateway's request for an OpenAI request (FieldError: a value gRPC cannot carry)."""
     out = pb.GenerateRequest(template=body.template or "", cache_key=body.prompt_cache_key or "")
     if isinstance(body, ChatCompletionRequest):
         if body.messages:
@@ -45,7 +45,7 @@ def generate_request(body: ChatCompletionRequest | CompletionRequest) -> pb.Gene
         elif body.prompt:
             out.token_ids.ids.extend(body.prompt)
         elif not body.template:
-            raise InvalidField("prompt", "prompt: empty")
+            raise FieldError("prompt", "prompt: empty")
         if body.logprobs is not None:
             out.sampling.logprobs = True
             out.sampling.top_logprobs = body.logprobs

@@ -27,6 +27,7 @@ from benchmarks.harness.processes import free_port_at, spawn, stop_process
 from gateway.client import GatewayClient
 from inference import model_store
 from kvd.common.client import DaemonClient
+from kvd.common.field_error import field_of
 from tests.conftest import (
     blocks_held,
     free_port,
@@ -174,6 +175,9 @@ def test_bad_template_calls_get_clear_statuses(acme, replica, tokenizer):
         code, message = status_of(call)
         assert code == grpc.StatusCode.INVALID_ARGUMENT, label
         assert words in message, (label, message)
+    with pytest.raises(grpc.RpcError) as refused:
+        acme.create_template("neg", "x", ttl_seconds=-1)
+    assert field_of(refused.value) == "ttl_seconds"  # named beside the status, as an engine's refusals are
     code, message = status_of(lambda: acme.complete("hi", template="no-such-template"))
     assert code == grpc.StatusCode.NOT_FOUND and "no-such-template" in message
 

@@ -12,12 +12,12 @@ from gateway.http_api.errors import api_error
 from gateway.http_api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from gateway.http_api.openai_translate import Chunks, completion_body, generate_request
 from gateway.http_api.threads import HttpCall
-from gateway.request_errors import InvalidField, RequestError
+from gateway.request_errors import RequestError
 from gateway.request_path import cache_key_member
 from gateway.router import NoReplica, RouteKey, Router, RouterConfig, rendezvous
 from gateway.templates import TemplateExists, TemplateNotFound
 from gateway.tenants import LimitExceeded, bearer_key
-from kvd.common.field_error import trailing_field
+from kvd.common.field_error import FieldError, trailing_field
 from kvd_api.engine.v1 import engine_pb2 as epb
 from kvd_api.gateway.v1 import gateway_pb2 as pb
 
@@ -120,7 +120,7 @@ class EngineError(grpc.RpcError):
 
 @pytest.mark.parametrize(
     "exc, status",
-    [(InvalidField("sampling.temperature", "temperature must be >= 0"), 400),
+    [(FieldError("sampling.temperature", "temperature must be >= 0"), 400),
      (EngineError(grpc.StatusCode.INVALID_ARGUMENT, "sampling.temperature must be a finite number >= 0",
                       "sampling.temperature"), 400),
      (TemplateNotFound("template 'x' not found"), 404),
@@ -143,7 +143,7 @@ def test_errors_get_the_status_of_their_grpc_code(exc, status):
      "prompt_cache_key"), ("token_ids.ids", None), ("cache_salt", None), (None, None)],
 )  # fmt: skip
 def test_a_refused_field_is_named_as_openai_names_it(field, param):
-    assert api_error(InvalidField(field, "refused")).param == param
+    assert api_error(FieldError(field, "refused")).param == param
 
 
 def test_a_plain_value_error_names_no_field():

@@ -15,9 +15,10 @@ import pytest
 
 from gateway.http_api.app import create_app
 from gateway.http_api.threads import WorkerThreads
-from gateway.request_errors import InvalidField, RequestError
+from gateway.request_errors import RequestError
 from gateway.templates import Template, TemplateExists, TemplateNotFound, TemplatePage
 from gateway.tenants import SCOPES, Authenticator, Principal, key_digest
+from kvd.common.field_error import FieldError
 from kvd.common.grpc_server import OpenCalls
 from kvd_api.engine.v1 import engine_pb2 as epb
 from kvd_api.gateway.v1 import gateway_pb2 as pb
@@ -97,7 +98,7 @@ class FakeRequestPath:
 
     def list_templates(self, tenant, page_size, page_token):
         if page_size < 0:
-            raise InvalidField("page_size", f"page_size must be >= 0, got {page_size}")
+            raise FieldError("page_size", f"page_size must be >= 0, got {page_size}")
         return TemplatePage(sorted(self.templates.values(), key=lambda t: t.name), "")
 
     def update_template(self, tenant, name, ttl_seconds, description):
@@ -162,7 +163,7 @@ def test_a_stream_sends_the_role_the_chunks_the_finish_and_done(send):
 
 
 def test_a_refusal_before_the_first_token_is_a_status_naming_openais_param(send, path):
-    path.script = [InvalidField("sampling.max_new_tokens", "sampling.max_new_tokens must be >= 1, got 0")]
+    path.script = [FieldError("sampling.max_new_tokens", "sampling.max_new_tokens must be >= 1, got 0")]
     for stream in (False, True):
         response = send("POST", "/v1/chat/completions", json={**CHAT, "stream": stream}, headers=AUTH)
         assert response.status_code == 400
