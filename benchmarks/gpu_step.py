@@ -18,7 +18,9 @@ In one process, on the random-weight Llama of tests/gpu/random_llama.py
   which the unsuffixed figures are (``eager`` when the capture failed:
   ``capture_error`` says why); ``gpu_elapsed_step_s`` is the same steps
   timed by CUDA events, a check on the profiler's sum (which could miss
-  the kernels of a graph);
+  the kernels of a graph); ``kernels_per_step`` and
+  ``top_kernels_us_per_step`` (the six costliest kernels) say where the
+  busy time goes;
 - ``capture``: what the engine's capture at attach costs with its default
   settings (64 sequences, a 512-token budget): seconds, graphs, device bytes;
 - ``attention``: one layer's Triton paged attention against gathering the
@@ -113,6 +115,8 @@ EAGER_COLUMNS = {
     "gpu_elapsed_step_s": "gpu_elapsed_step_eager_s",
     "wall_step_s": "wall_step_eager_s",
     "blocking_syncs_per_step": "blocking_syncs_per_step_eager",
+    "kernels_per_step": "kernels_per_step_eager",
+    "top_kernels_us_per_step": "top_kernels_us_per_step_eager",
 }
 
 
@@ -184,7 +188,11 @@ def time_steps(runner, chunks, steps: int) -> dict[str, float]:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    busy_us = sum(e.self_device_time_total for e in prof.key_averages())
+    kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    busy_us = sum(e.self_device_time_total for e in kernels)
+    # Where the busy time goes: at small batches a decode is many short
+    # kernels, not one weight read, so the count says as much as the bytes.
+    top = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:6]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
@@ -194,7 +202,8 @@ def time_steps(runner, chunks, steps: int) -> dict[str, float]:
             torch.cuda.set_sync_debug_mode("default")
     syncs = sum("synchroniz" in str(w.message) for w in caught)
     return {"gpu_step_s": busy_us / 1e6 / steps, "gpu_elapsed_step_s": elapsed, "wall_step_s": wall,
-            "blocking_syncs_per_step": syncs}  # fmt: skip
+            "blocking_syncs_per_step": syncs, "kernels_per_step": sum(e.count for e in kernels) / steps,
+            "top_kernels_us_per_step": {e.key[:80]: e.self_device_time_total / steps for e in top}}  # fmt: skip
 
 
 def time_capture(model) -> dict[str, float]:
@@ -298,7 +307,7 @@ def run(quick: bool, save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
 
     case(results, "capture", lambda: time_capture(model))
     decode = results["decode"] = {}
-    for batch in (1, 16) if quick else BATCHES:
+    for batch in (1, 16, 64) if quick else BATCHES:  # the targets are read at 16 and 64
         for ctx_name, context in CONTEXTS.items():
             for shared in (True, False):
                 name = f"b{batch}_{ctx_name}_{'shared' if shared else 'distinct'}"
@@ -376,7 +385,7 @@ def failed(_args: argparse.Namespace, report: dict[str, Any]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = harness.parser(__doc__, quick_help="batches 1 and 16 only, fewer steps").parse_args(argv)
+    args = harness.parser(__doc__, quick_help="batches 1, 16 and 64 only, fewer steps").parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_step.py measures the engine on a CUDA GPU and this machine has none: nothing measured, no JSON")
         return 2

