@@ -22,68 +22,73 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from kvd_api.daemon.v1 import daemon_pb2 as kvd__api_dot_daemon_dot_v1_dot_daemon__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ekvd_api/engine/v1/engine.proto\x12\rkvd.engine.v1\x1a\x1ekvd_api/daemon/v1/daemon.proto\"!\n\x0c\x44rainRequest\x12\x11\n\ttimeout_s\x18\x01 \x01(\x01\"H\n\rDrainResponse\x12\x13\n\x0bhanded_back\x18\x01 \x01(\x05\x12\x11\n\tcut_short\x18\x02 \x01(\x05\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"x\n\nChatPrompt\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.kvd.engine.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xa4\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x03\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\x05\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x11\n\x0f_max_new_tokens\"\xdd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x19.kvd.engine.v1.ChatPromptH\x00\x12,\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x17.kvd.engine.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.kvd.engine.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\x0c\x42\x08\n\x06prompt\"\xbc\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\x12\x1d\n\x15time_to_first_token_s\x18\x04 \x01(\x01\x12!\n\x19host_cached_prompt_tokens\x18\x05 \x01(\x05\x12!\n\x19\x64isk_cached_prompt_tokens\x18\x06 \x01(\x05\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\xe4\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.kvd.engine.v1.FinishReason\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.kvd.engine.v1.Usage\x12\x30\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x1a.kvd.engine.v1.TopLogprobs\"U\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x19.kvd.engine.v1.ChatPromptH\x00\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"\x17\n\x15TokenizerFilesRequest\"\x96\x01\n\x16TokenizerFilesResponse\x12?\n\x05\x66iles\x18\x01 \x03(\x0b\x32\x30.kvd.engine.v1.TokenizerFilesResponse.FilesEntry\x12\r\n\x05model\x18\x02 \x01(\t\x1a,\n\nFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"D\n\x0bWarmRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x12\n\ncache_salt\x18\x02 \x01(\x0c\x12\x0e\n\x06pin_id\x18\x03 \x01(\t\"<\n\x0cWarmResponse\x12\x15\n\rcached_tokens\x18\x01 \x01(\x05\x12\x15\n\rpinned_tokens\x18\x02 \x01(\x05\"\x1e\n\x0cUnpinRequest\x12\x0e\n\x06pin_id\x18\x01 \x01(\t\"(\n\rUnpinResponse\x12\x17\n\x0funpinned_blocks\x18\x01 \x01(\x05\"\r\n\x0bInfoRequest\"\xe3\x01\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\x12\x19\n\x11\x61ttention_backend\x18\x05 \x01(\t\x12\x12\n\nvocab_size\x18\x06 \x01(\x05\x12\x15\n\reos_token_ids\x18\x07 \x03(\x03\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x10\n\x08\x63\x61\x63he_id\x18\t \x01(\t\x12\x12\n\nmodel_type\x18\n \x01(\t\x12\x10\n\x08\x64raining\x18\x0b \x01(\x08\"\x14\n\x12\x42lockEventsRequest\"\r\n\x0bLoadRequest\"\x94\x01\n\nLoadReport\x12\x15\n\rqueued_tokens\x18\x01 \x01(\x03\x12\x0f\n\x07waiting\x18\x02 \x01(\x05\x12\x0f\n\x07running\x18\x03 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\x05\x12\x11\n\tforward_s\x18\x05 \x01(\x01\x12\x0f\n\x07token_s\x18\x06 \x01(\x01\x12\x14\n\x0ctoken_budget\x18\x07 \x01(\x05*\x93\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x32\x9e\x05\n\x06\x45ngine\x12M\n\x08Generate\x12\x1e.kvd.engine.v1.GenerateRequest\x1a\x1f.kvd.engine.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.kvd.engine.v1.TokenizeRequest\x1a\x1f.kvd.engine.v1.TokenizeResponse\x12]\n\x0eTokenizerFiles\x12$.kvd.engine.v1.TokenizerFilesRequest\x1a%.kvd.engine.v1.TokenizerFilesResponse\x12?\n\x04Warm\x12\x1a.kvd.engine.v1.WarmRequest\x1a\x1b.kvd.engine.v1.WarmResponse\x12\x42\n\x05Unpin\x12\x1b.kvd.engine.v1.UnpinRequest\x1a\x1c.kvd.engine.v1.UnpinResponse\x12?\n\x04Info\x12\x1a.kvd.engine.v1.InfoRequest\x1a\x1b.kvd.engine.v1.InfoResponse\x12N\n\x0b\x42lockEvents\x12!.kvd.engine.v1.BlockEventsRequest\x1a\x1a.kvd.daemon.v1.BlockEvents0\x01\x12?\n\x04Load\x12\x1a.kvd.engine.v1.LoadRequest\x1a\x19.kvd.engine.v1.LoadReport0\x01\x12\x42\n\x05\x44rain\x12\x1b.kvd.engine.v1.DrainRequest\x1a\x1c.kvd.engine.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ekvd_api/engine/v1/engine.proto\x12\rkvd.engine.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1ekvd_api/daemon/v1/daemon.proto\"!\n\x0c\x44rainRequest\x12\x11\n\ttimeout_s\x18\x01 \x01(\x01\"H\n\rDrainResponse\x12\x13\n\x0bhanded_back\x18\x01 \x01(\x05\x12\x11\n\tcut_short\x18\x02 \x01(\x05\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\":\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"\xcf\x01\n\nChatPrompt\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.kvd.engine.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x03 \x01(\x08\x12\x35\n\x14\x63hat_template_kwargs\x18\x04 \x01(\x0b\x32\x17.google.protobuf.StructB\x18\n\x16_add_generation_prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xfe\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x03\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\x05\x12\x12\n\x05min_p\x18\x0b \x01(\x02H\x05\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\x06\x88\x01\x01\x12@\n\nlogit_bias\x18\x0f \x03(\x0b\x32,.kvd.engine.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x10 \x01(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\x11 \x01(\x08\x12!\n\x19max_new_tokens_to_context\x18\x12 \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x11\n\x0f_max_new_tokensB\x08\n\x06_min_pB\x15\n\x13_repetition_penalty\"\xdd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x19.kvd.engine.v1.ChatPromptH\x00\x12,\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x17.kvd.engine.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.kvd.engine.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\x0c\x42\x08\n\x06prompt\"\xbc\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\x12\x1d\n\x15time_to_first_token_s\x18\x04 \x01(\x01\x12!\n\x19host_cached_prompt_tokens\x18\x05 \x01(\x05\x12!\n\x19\x64isk_cached_prompt_tokens\x18\x06 \x01(\x05\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\xe4\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.kvd.engine.v1.FinishReason\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.kvd.engine.v1.Usage\x12\x30\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x1a.kvd.engine.v1.TopLogprobs\"U\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x19.kvd.engine.v1.ChatPromptH\x00\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"\x17\n\x15TokenizerFilesRequest\"\x96\x01\n\x16TokenizerFilesResponse\x12?\n\x05\x66iles\x18\x01 \x03(\x0b\x32\x30.kvd.engine.v1.TokenizerFilesResponse.FilesEntry\x12\r\n\x05model\x18\x02 \x01(\t\x1a,\n\nFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"D\n\x0bWarmRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x12\n\ncache_salt\x18\x02 \x01(\x0c\x12\x0e\n\x06pin_id\x18\x03 \x01(\t\"<\n\x0cWarmResponse\x12\x15\n\rcached_tokens\x18\x01 \x01(\x05\x12\x15\n\rpinned_tokens\x18\x02 \x01(\x05\"\x1e\n\x0cUnpinRequest\x12\x0e\n\x06pin_id\x18\x01 \x01(\t\"(\n\rUnpinResponse\x12\x17\n\x0funpinned_blocks\x18\x01 \x01(\x05\"\r\n\x0bInfoRequest\"\x9c\x02\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\x12\x19\n\x11\x61ttention_backend\x18\x05 \x01(\t\x12\x12\n\nvocab_size\x18\x06 \x01(\x05\x12\x15\n\reos_token_ids\x18\x07 \x03(\x03\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x10\n\x08\x63\x61\x63he_id\x18\t \x01(\t\x12\x12\n\nmodel_type\x18\n \x01(\t\x12\x10\n\x08\x64raining\x18\x0b \x01(\x08\x12\x37\n\x10\x64\x65\x66\x61ult_sampling\x18\x0c \x01(\x0b\x32\x1d.kvd.engine.v1.SamplingParams\"\x14\n\x12\x42lockEventsRequest\"\r\n\x0bLoadRequest\"\x94\x01\n\nLoadReport\x12\x15\n\rqueued_tokens\x18\x01 \x01(\x03\x12\x0f\n\x07waiting\x18\x02 \x01(\x05\x12\x0f\n\x07running\x18\x03 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\x05\x12\x11\n\tforward_s\x18\x05 \x01(\x01\x12\x0f\n\x07token_s\x18\x06 \x01(\x01\x12\x14\n\x0ctoken_budget\x18\x07 \x01(\x05*\x93\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x32\x9e\x05\n\x06\x45ngine\x12M\n\x08Generate\x12\x1e.kvd.engine.v1.GenerateRequest\x1a\x1f.kvd.engine.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.kvd.engine.v1.TokenizeRequest\x1a\x1f.kvd.engine.v1.TokenizeResponse\x12]\n\x0eTokenizerFiles\x12$.kvd.engine.v1.TokenizerFilesRequest\x1a%.kvd.engine.v1.TokenizerFilesResponse\x12?\n\x04Warm\x12\x1a.kvd.engine.v1.WarmRequest\x1a\x1b.kvd.engine.v1.WarmResponse\x12\x42\n\x05Unpin\x12\x1b.kvd.engine.v1.UnpinRequest\x1a\x1c.kvd.engine.v1.UnpinResponse\x12?\n\x04Info\x12\x1a.kvd.engine.v1.InfoRequest\x1a\x1b.kvd.engine.v1.InfoResponse\x12N\n\x0b\x42lockEvents\x12!.kvd.engine.v1.BlockEventsRequest\x1a\x1a.kvd.daemon.v1.BlockEvents0\x01\x12?\n\x04Load\x12\x1a.kvd.engine.v1.LoadRequest\x1a\x19.kvd.engine.v1.LoadReport0\x01\x12\x42\n\x05\x44rain\x12\x1b.kvd.engine.v1.DrainRequest\x1a\x1c.kvd.engine.v1.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvd_api.engine.v1.engine_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_TOKENIZERFILESRESPONSE_FILESENTRY']._loaded_options = None
   _globals['_TOKENIZERFILESRESPONSE_FILESENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2320
-  _globals['_FINISHREASON']._serialized_end=2467
-  _globals['_DRAINREQUEST']._serialized_start=81
-  _globals['_DRAINREQUEST']._serialized_end=114
-  _globals['_DRAINRESPONSE']._serialized_start=116
-  _globals['_DRAINRESPONSE']._serialized_end=188
-  _globals['_CHATMESSAGE']._serialized_start=190
-  _globals['_CHATMESSAGE']._serialized_end=234
-  _globals['_CHATPROMPT']._serialized_start=236
-  _globals['_CHATPROMPT']._serialized_end=356
-  _globals['_TOKENIDS']._serialized_start=358
-  _globals['_TOKENIDS']._serialized_end=381
-  _globals['_SAMPLINGPARAMS']._serialized_start=384
-  _globals['_SAMPLINGPARAMS']._serialized_end=676
-  _globals['_GENERATEREQUEST']._serialized_start=679
-  _globals['_GENERATEREQUEST']._serialized_end=900
-  _globals['_USAGE']._serialized_start=903
-  _globals['_USAGE']._serialized_end=1091
-  _globals['_TOPLOGPROBS']._serialized_start=1093
-  _globals['_TOPLOGPROBS']._serialized_end=1143
-  _globals['_GENERATERESPONSE']._serialized_start=1146
-  _globals['_GENERATERESPONSE']._serialized_end=1374
-  _globals['_TOKENIZEREQUEST']._serialized_start=1376
-  _globals['_TOKENIZEREQUEST']._serialized_end=1461
-  _globals['_TOKENIZERESPONSE']._serialized_start=1463
-  _globals['_TOKENIZERESPONSE']._serialized_end=1500
-  _globals['_TOKENIZERFILESREQUEST']._serialized_start=1502
-  _globals['_TOKENIZERFILESREQUEST']._serialized_end=1525
-  _globals['_TOKENIZERFILESRESPONSE']._serialized_start=1528
-  _globals['_TOKENIZERFILESRESPONSE']._serialized_end=1678
-  _globals['_TOKENIZERFILESRESPONSE_FILESENTRY']._serialized_start=1634
-  _globals['_TOKENIZERFILESRESPONSE_FILESENTRY']._serialized_end=1678
-  _globals['_WARMREQUEST']._serialized_start=1680
-  _globals['_WARMREQUEST']._serialized_end=1748
-  _globals['_WARMRESPONSE']._serialized_start=1750
-  _globals['_WARMRESPONSE']._serialized_end=1810
-  _globals['_UNPINREQUEST']._serialized_start=1812
-  _globals['_UNPINREQUEST']._serialized_end=1842
-  _globals['_UNPINRESPONSE']._serialized_start=1844
-  _globals['_UNPINRESPONSE']._serialized_end=1884
-  _globals['_INFOREQUEST']._serialized_start=1886
-  _globals['_INFOREQUEST']._serialized_end=1899
-  _globals['_INFORESPONSE']._serialized_start=1902
-  _globals['_INFORESPONSE']._serialized_end=2129
-  _globals['_BLOCKEVENTSREQUEST']._serialized_start=2131
-  _globals['_BLOCKEVENTSREQUEST']._serialized_end=2151
-  _globals['_LOADREQUEST']._serialized_start=2153
-  _globals['_LOADREQUEST']._serialized_end=2166
-  _globals['_LOADREPORT']._serialized_start=2169
-  _globals['_LOADREPORT']._serialized_end=2317
-  _globals['_ENGINE']._serialized_start=2470
-  _globals['_ENGINE']._serialized_end=3140
+  _globals['_FINISHREASON']._serialized_start=2855
+  _globals['_FINISHREASON']._serialized_end=3002
+  _globals['_DRAINREQUEST']._serialized_start=111
+  _globals['_DRAINREQUEST']._serialized_end=144
+  _globals['_DRAINRESPONSE']._serialized_start=146
+  _globals['_DRAINRESPONSE']._serialized_end=218
+  _globals['_CHATMESSAGE']._serialized_start=220
+  _globals['_CHATMESSAGE']._serialized_end=278
+  _globals['_CHATPROMPT']._serialized_start=281
+  _globals['_CHATPROMPT']._serialized_end=488
+  _globals['_TOKENIDS']._serialized_start=490
+  _globals['_TOKENIDS']._serialized_end=513
+  _globals['_SAMPLINGPARAMS']._serialized_start=516
+  _globals['_SAMPLINGPARAMS']._serialized_end=1154
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1009
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1057
+  _globals['_GENERATEREQUEST']._serialized_start=1157
+  _globals['_GENERATEREQUEST']._serialized_end=1378
+  _globals['_USAGE']._serialized_start=1381
+  _globals['_USAGE']._serialized_end=1569
+  _globals['_TOPLOGPROBS']._serialized_start=1571
+  _globals['_TOPLOGPROBS']._serialized_end=1621
+  _globals['_GENERATERESPONSE']._serialized_start=1624
+  _globals['_GENERATERESPONSE']._serialized_end=1852
+  _globals['_TOKENIZEREQUEST']._serialized_start=1854
+  _globals['_TOKENIZEREQUEST']._serialized_end=1939
+  _globals['_TOKENIZERESPONSE']._serialized_start=1941
+  _globals['_TOKENIZERESPONSE']._serialized_end=1978
+  _globals['_TOKENIZERFILESREQUEST']._serialized_start=1980
+  _globals['_TOKENIZERFILESREQUEST']._serialized_end=2003
+  _globals['_TOKENIZERFILESRESPONSE']._serialized_start=2006
+  _globals['_TOKENIZERFILESRESPONSE']._serialized_end=2156
+  _globals['_TOKENIZERFILESRESPONSE_FILESENTRY']._serialized_start=2112
+  _globals['_TOKENIZERFILESRESPONSE_FILESENTRY']._serialized_end=2156
+  _globals['_WARMREQUEST']._serialized_start=2158
+  _globals['_WARMREQUEST']._serialized_end=2226
+  _globals['_WARMRESPONSE']._serialized_start=2228
+  _globals['_WARMRESPONSE']._serialized_end=2288
+  _globals['_UNPINREQUEST']._serialized_start=2290
+  _globals['_UNPINREQUEST']._serialized_end=2320
+  _globals['_UNPINRESPONSE']._serialized_start=2322
+  _globals['_UNPINRESPONSE']._serialized_end=2362
+  _globals['_INFOREQUEST']._serialized_start=2364
+  _globals['_INFOREQUEST']._serialized_end=2377
+  _globals['_INFORESPONSE']._serialized_start=2380
+  _globals['_INFORESPONSE']._serialized_end=2664
+  _globals['_BLOCKEVENTSREQUEST']._serialized_start=2666
+  _globals['_BLOCKEVENTSREQUEST']._serialized_end=2686
+  _globals['_LOADREQUEST']._serialized_start=2688
+  _globals['_LOADREQUEST']._serialized_end=2701
+  _globals['_LOADREPORT']._serialized_start=2704
+  _globals['_LOADREPORT']._serialized_end=2852
+  _globals['_ENGINE']._serialized_start=3005
+  _globals['_ENGINE']._serialized_end=3675
 # @@protoc_insertion_point(module_scope)
