@@ -13,6 +13,13 @@ processes, so the machine's noise hits them alike. Every request has a prompt
 of its own (the same length for both: neither finds the other's blocks),
 greedy, EOS ignored, so each produces exactly ``new_tokens`` tokens.
 
+Then, on the same processes, the field's own client (``vllm bench serve``,
+``benchmarks/field_client.py``; its virtualenv is made on first use) runs
+the same prompt and output lengths at 16 concurrent requests through
+``/v1/completions`` and ``/v1/chat/completions``, and its own metrics are
+reported as it names them (``results.field_client``; ``--no-field-client``
+leaves it out).
+
 Per variant and concurrency: p50/p90 time to first token (the first message
 or chunk carrying tokens, as the client sees it), output tokens/s (tokens
 over the batch's wall time), p50 time between tokens within a stream, and the
@@ -68,6 +75,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, help="turns per concurrency (default 2, quick too)")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--model", default="smollm2")
+    p.add_argument("--no-field-client", action="store_true", help="leave out vllm bench serve")
+    p.add_argument("--field-prompts", type=int, help="vllm bench serve's prompts per backend (default 32; quick 8)")
     return p.parse_args(argv)
 
 
@@ -94,7 +103,7 @@ async def http_one(client, model: str, prompt: list[int], new_tokens: int) -> Ti
     t = Timed(time.perf_counter())
     try:
         stream = await client.completions.create(
-            model=model, prompt=prompt, max_tokens=new_tokens, stream=True,
+            model=model, prompt=prompt, max_tokens=new_tokens, stream=True, temperature=0,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
         )  # fmt: skip
         async for chunk in stream:
@@ -206,6 +215,8 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                     timed[variant][clients] += got
                     progress.advance(len(batch))
         progress.done()
+        field = None if args.no_field_client else run_field_client(args, base_url, model, model_dir, prompt_len,
+                                                                   new_tokens)  # fmt: skip
     results: dict[str, Any] = {
         v: {f"c{c}": summarize(timed[v][c], wall[v][c], cpu[v][c]) for c in levels} for v in VARIANTS
     }
@@ -233,7 +244,41 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "grpc": "gateway.client Generate, a thread per client",
         "http": "openai AsyncOpenAI completions, stream with include_usage, token-id prompt",
     }
+    if field is not None:
+        workload["field_client"], results["field_client"] = field
     return {"workload": workload, "results": results, "ratios": ratios}
+
+
+FIELD_CONCURRENCY = 16
+
+
+def run_field_client(args, base_url: str, model: str, model_dir: Path, prompt_len: int, new_tokens: int):
+    """``vllm bench serve`` against the gateway, completions and chat: (its workload, its metrics)."""
+    import field_client
+
+    python = field_client.ensure_client()
+    prompts = args.field_prompts or (8 if args.quick else 32)
+    root = base_url.removesuffix("/v1")
+    metrics = {
+        backend: field_client.serve_bench(
+            python,
+            root,
+            model,
+            model_dir,
+            prompt_len,
+            new_tokens,
+            prompts,
+            FIELD_CONCURRENCY,
+            backend=backend,
+            seed=args.seed,
+        )  # fmt: skip
+        for backend in ("openai", "openai-chat")
+    }
+    backends = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
+    workload = {"client": field_client.client_version(python), "dataset": "random", "num_prompts": prompts,
+                "max_concurrency": FIELD_CONCURRENCY, "input_len": prompt_len, "output_len": new_tokens,
+                "ignore_eos": True, "backends": backends}  # fmt: skip
+    return workload, {"kvd": metrics}
 
 
 def table(results: dict[str, Any], ratios: dict[str, Any], levels: list[int]) -> str:
@@ -246,7 +291,14 @@ def table(results: dict[str, Any], ratios: dict[str, Any], levels: list[int]) ->
                      g["errors"] + h["errors"]])  # fmt: skip
     headers = ["clients", "grpc ttft p50 s", "http ttft p50 s", "http/grpc", "grpc tok/s", "http tok/s",
                "http/grpc", "added ms/token", "errors"]  # fmt: skip
-    return harness.format_table(headers, rows)
+    out = harness.format_table(headers, rows)
+    field = results.get("field_client", {}).get("kvd")
+    if field:
+        keys = ["completed", "failed", "request_throughput", "output_throughput", "mean_ttft_ms", "mean_tpot_ms"]
+        out += "\n\nvllm bench serve against kvd\n" + harness.format_table(
+            ["backend", *keys], [[backend, *(m[k] for k in keys)] for backend, m in field.items()]
+        )
+    return out
 
 
 def report(args: argparse.Namespace, measured: dict[str, Any]) -> dict[str, Any]:
@@ -255,8 +307,11 @@ def report(args: argparse.Namespace, measured: dict[str, Any]) -> dict[str, Any]
 
 
 def errors(_args: argparse.Namespace, report: dict[str, Any]) -> int:
-    """1 when a request failed."""
-    return 1 if sum(by_level["errors"] for v in VARIANTS for by_level in report["results"][v].values()) else 0
+    """1 when a request failed (the field client's included)."""
+    results = report["results"]
+    failed = sum(by_level["errors"] for v in VARIANTS for by_level in results[v].values())
+    failed += sum(m.get("failed") or 0 for m in results.get("field_client", {}).get("kvd", {}).values())
+    return 1 if failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:

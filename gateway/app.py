@@ -92,7 +92,7 @@ class GatewayApp:
         from gateway.http_api.server import HttpServer  # the ASGI stack loads only when it serves
 
         s = self.settings
-        return HttpServer(service.requests, self.open_calls, s.http_listen, s.tls_cert, s.tls_key)
+        return HttpServer(service.requests, self.open_calls, s.http_listen, s.tls_cert, s.tls_key, s.served_model_names)
 
     def _engine_health(self, up: bool) -> None:
         self.server.set_serving(up)

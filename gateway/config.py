@@ -26,6 +26,11 @@ def endpoint_list(text: str) -> list[str]:
     return [entry.strip() for entry in text.split(",") if entry.strip()]
 
 
+def name_list(text: str | None) -> tuple[str, ...]:
+    """``--served-model-name``'s comma-separated names."""
+    return tuple(name.strip() for name in (text or "").split(",") if name.strip())
+
+
 @dataclass(frozen=True)
 class GatewaySettings:
     """Everything one gateway process is configured with (the CLI fills it).
@@ -41,6 +46,7 @@ class GatewaySettings:
         replica_wait_s: how long a request waits for a replica when none
             serves but one did lately (``ReplicaPool.await_serving``).
         http_listen: the OpenAI-compatible HTTP API's ``HOST:PORT``; "": none.
+        served_model_names: the model's names in the HTTP API (empty: its own).
         max_open_requests: generations (gRPC Generate and Complete, HTTP
             completions) held at once; more are refused (RESOURCE_EXHAUSTED, 429).
     """
@@ -51,6 +57,13 @@ class GatewaySettings:
         env="KVD_HTTP_LISTEN",
         default="127.0.0.1:8000",
         help="the OpenAI-compatible HTTP API's address (docs/gateway.md); empty: no HTTP API",
+    )
+    served_model_names: tuple[str, ...] = setting(
+        "--served-model-name",
+        env="KVD_SERVED_MODEL_NAME",
+        convert=name_list,
+        help="the names the model answers to in the HTTP API's `model`, comma-separated; the first is the one"
+        " /v1/models lists; empty: the model's folder name (and its Hugging Face id, for the bundled SmolLM2)",
     )
     max_open_requests: int = setting(
         "--max-open-requests",

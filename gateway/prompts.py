@@ -18,7 +18,8 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from gateway.templates import Template
-from gateway.tokenizer import GatewayTokenizer, Message, generation_prompt, messages_of
+from gateway.tokenizer import GatewayTokenizer, Message, chat_of
+from kvd.common.chat import generation_prompt
 from kvd.common.field_error import FieldError
 
 # Conversations a chat template's messages must begin, token for token.
@@ -42,9 +43,9 @@ def template_ids(tokenizer: GatewayTokenizer, content: str, messages: Sequence[M
         raise FieldError("content", "content must not be empty (or give messages: a chat template)")
     if content:
         return tokenizer.text_ids(content)
-    ids = tokenizer.chat_ids(messages, add_generation_prompt=False)
+    ids = tokenizer.chat_ids(chat_of(messages, add_generation_prompt=False))
     for follow_up in _FOLLOW_UPS:
-        if tokenizer.chat_ids([*messages, *follow_up], add_generation_prompt=True)[: len(ids)] != ids:
+        if tokenizer.chat_ids(chat_of([*messages, *follow_up], add_generation_prompt=True))[: len(ids)] != ids:
             raise FieldError(
                 "messages",
                 "messages: this model's chat template renders them differently once a conversation follows, "
@@ -69,9 +70,11 @@ def templated_ids(tokenizer: GatewayTokenizer, template: Template, request) -> T
                 "template",
                 f"template {template.name!r} holds chat messages: send the prompt as chat messages (or none)",
             )
-        own = messages_of(request.chat) if kind == "chat" else []
-        add_prompt = generation_prompt(request.chat) if kind == "chat" else True
-        ids = tokenizer.chat_ids([*template.messages, *own], add_prompt)
+        prompt = chat_of(template.messages, add_generation_prompt=True)
+        if kind == "chat":  # the request's messages after the template's, rendered as the request says
+            prompt = chat_of(template.messages, generation_prompt(request.chat), like=request.chat)
+            prompt.messages.extend(request.chat.messages)
+        ids = tokenizer.chat_ids(prompt)
         # Creation checked that renderings keep the template's tokens first; one
         # that does not (a chat template reading later turns) is still the
         # right prompt, it just reuses no template block.
@@ -83,16 +86,21 @@ def templated_ids(tokenizer: GatewayTokenizer, template: Template, request) -> T
             f"template {template.name!r} holds text, not chat messages: a chat request needs a template "
             "created with messages (or send the prompt as text)",
         )
-    return TemplatedIds(template.token_ids + own_ids(tokenizer, request), len(template.token_ids))
+    own = own_ids(tokenizer, request, after_template=True)
+    return TemplatedIds(template.token_ids + own, len(template.token_ids))
 
 
-def own_ids(tokenizer: GatewayTokenizer, request) -> list[int]:
-    """The prompt's own tokens (may be empty: a template alone is a prompt)."""
+def own_ids(tokenizer: GatewayTokenizer, request, after_template: bool = False) -> list[int]:
+    """The prompt's own tokens (may be empty: a template alone is a prompt).
+
+    A text prompt gets the tokenizer's special tokens (a BOS) when it begins
+    the prompt, none when it continues a template's tokens.
+    """
     kind = request.WhichOneof("prompt")
     if kind == "token_ids":
         return list(request.token_ids.ids)
     if kind == "chat":
-        return tokenizer.chat_ids(messages_of(request.chat), generation_prompt(request.chat))
+        return tokenizer.chat_ids(request.chat)
     if kind == "text" and request.text:
-        return tokenizer.text_ids(request.text)
+        return tokenizer.text_ids(request.text, add_special_tokens=not after_template)
     return []

@@ -131,13 +131,7 @@ class RequestPath:
         """The request's replies as one."""
         whole = pb.GenerateResponse()
         for message in self.generate(tenant, request, call):
-            whole.token_ids.extend(message.token_ids)
-            whole.text += message.text
-            whole.logprobs.extend(message.logprobs)
-            whole.top_logprobs.extend(message.top_logprobs)
-            if message.HasField("usage"):
-                whole.finish_reason = message.finish_reason
-                whole.usage.CopyFrom(message.usage)
+            add_message(whole, message)
         return whole
 
     def engine_request(self, tenant: str, request: pb.GenerateRequest) -> EngineRequest:
@@ -258,8 +252,35 @@ class RequestPath:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.token_text(token_id)
 
+    def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``text`` as the engines tokenize a text prompt (``add_special_tokens=False``: no BOS)."""
+        return self.tokenizer.text_ids(text, add_special_tokens)
+
+    def tokenize_chat(self, chat: epb.ChatPrompt) -> list[int]:
+        """``chat`` as the engines render a chat prompt (FieldError naming ``chat.messages``: refused)."""
+        return self.tokenizer.chat_ids(chat)
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(token_ids)
+
+    def free_slots(self, tenant: str) -> int | None:
+        """How many more requests ``tenant`` may run at once here now (None: no limit)."""
+        limit = self.limits.max_concurrent_requests
+        return max(limit - self.relay.slots.running(tenant), 1) if limit else None
+
 
 def cache_key_member(tenant: str, cache_key: str) -> str:
     """The router's key for a request's cache key: ':' is in no template name,
     so it never meets a template's, and the tenant keeps tenants' keys apart."""
     return f"{tenant}/:key:{cache_key}"
+
+
+def add_message(whole: pb.GenerateResponse, message: pb.GenerateResponse) -> None:
+    """Adds one streamed message to a whole reply (the last one brings the finish and the usage)."""
+    whole.token_ids.extend(message.token_ids)
+    whole.text += message.text
+    whole.logprobs.extend(message.logprobs)
+    whole.top_logprobs.extend(message.top_logprobs)
+    if message.HasField("usage"):
+        whole.finish_reason = message.finish_reason
+        whole.usage.CopyFrom(message.usage)

@@ -4,7 +4,8 @@ Every replica serves the same model, so the gateway fetches the tokenizer's
 files from one of them (the engine's ``TokenizerFiles``) the first time it
 needs them, loads them with transformers, and tokenizes locally from then on:
 a templated or routed request costs no tokenizing round trip. Text and chat
-messages become exactly the ids the engine's own ``Tokenize`` returns.
+messages become exactly the ids the engine's own ``Tokenize`` returns: both
+render with ``kvd.common.chat``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from kvd.common import chat
 from kvd.common.field_error import FieldError
 from kvd_api.engine.v1 import engine_pb2 as epb
 
@@ -31,19 +33,29 @@ class GatewayTokenizer:
         self._tokenizer = None
         self._lock = threading.Lock()
 
-    def text_ids(self, text: str) -> list[int]:
-        return self._loaded().encode(text, add_special_tokens=False)
+    def text_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``text``'s token ids (``add_special_tokens=False``: a text that continues others' tokens)."""
+        return chat.text_ids(self._loaded(), text, add_special_tokens)
 
-    def chat_ids(self, messages: Sequence[Message], add_generation_prompt: bool) -> list[int]:
-        """``messages`` rendered with the model's chat template, as token ids."""
-        if not messages:
-            raise FieldError("chat.messages", "chat.messages is empty")
-        encoded = self._loaded().apply_chat_template(
-            [{"role": role, "content": content} for role, content in messages],
-            add_generation_prompt=add_generation_prompt,
-            tokenize=True,
-        )
-        return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+    def chat_ids(self, prompt: epb.ChatPrompt | Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
+        """``prompt`` (a ChatPrompt, or (role, content) messages rendered with
+        ``add_generation_prompt``) through the model's chat template, as token ids (FieldError: refused)."""
+        if not isinstance(prompt, epb.ChatPrompt):
+            prompt = chat_of(prompt, add_generation_prompt)
+        return chat.chat_ids(self._loaded(), prompt)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """The text of ``token_ids``, special tokens included.
+
+        Raises:
+            FieldError: (naming ``tokens``) an id outside the vocabulary.
+        """
+        tokenizer = self._loaded()
+        vocab = len(tokenizer)
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise FieldError("tokens", f"tokens: token id {bad} is outside the vocabulary [0, {vocab})")
+        return tokenizer.decode(list(token_ids))
 
     def token_text(self, token_id: int) -> str:
         """One token's text alone (logprobs name their tokens by it)."""
@@ -74,10 +86,15 @@ def load(files: dict[str, bytes]):
         return AutoTokenizer.from_pretrained(folder, local_files_only=True)
 
 
-def messages_of(chat: epb.ChatPrompt) -> list[Message]:
-    return [(m.role, m.content) for m in chat.messages]
-
-
-def generation_prompt(chat: epb.ChatPrompt) -> bool:
-    """Whether to append the assistant header (the engine's default: yes)."""
-    return chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+def chat_of(
+    messages: Sequence[Message], add_generation_prompt: bool, like: epb.ChatPrompt | None = None
+) -> epb.ChatPrompt:
+    """A chat prompt of ``messages`` (role, content), rendered as ``like`` says
+    (its ``continue_final_message`` and ``chat_template_kwargs``), if given."""
+    prompt = epb.ChatPrompt(add_generation_prompt=add_generation_prompt)
+    if like is not None:
+        prompt.continue_final_message = like.continue_final_message
+        if like.HasField("chat_template_kwargs"):
+            prompt.chat_template_kwargs.CopyFrom(like.chat_template_kwargs)
+    prompt.messages.extend(epb.ChatMessage(role=role, content=content) for role, content in messages)
+    return prompt

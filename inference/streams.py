@@ -16,7 +16,9 @@ A stop string is found here, possibly a step or two after the loop sampled
 its token. The thread then asks the engine to stop the request (``on_stop``)
 and drops every token sampled after the stop: the client sees the same
 tokens, text, count and finish reason as if the loop had checked the stop
-string itself (end-of-sequence at the same token still wins, as there).
+string itself (end-of-sequence at the same token still wins, as there). A
+stop string ending before the request's ``min_tokens``-th token does not stop
+it; with ``include_stop_str_in_output`` the text keeps the stop string.
 """
 
 from __future__ import annotations
@@ -109,6 +111,13 @@ class _Close:
 _Job = _WriteTokens | _WriteFinished | _WriteError | _Flush | _Close
 
 
+def _detokenizer(tokenizer, seq: Sequence) -> IncrementalDetokenizer:
+    p = seq.params
+    return IncrementalDetokenizer(
+        tokenizer, seq.prompt_ids, p.stop, min_tokens=p.min_tokens, include_stop=p.include_stop_str_in_output
+    )
+
+
 @dataclass(slots=True)
 class _Stream:
     """The thread's state of one request."""
@@ -183,7 +192,7 @@ class StreamWriter:
         for seq, token, logprob, top, final in batch:
             stream = self._streams.get(seq.request_id)
             if stream is None:
-                detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids, seq.params.stop)
+                detokenizer = _detokenizer(self.tokenizer, seq)
                 stream = self._streams[seq.request_id] = _Stream(detokenizer)
             if stream.stopped is not None:
                 continue  # sampled before the loop heard of the stop string

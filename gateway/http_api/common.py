@@ -19,6 +19,7 @@ from fastapi import Request
 from pydantic import Field
 
 from gateway.http_api.errors import ApiError, api_error
+from gateway.http_api.metrics import HttpMetrics
 from gateway.http_api.threads import HttpCall, WorkerThreads
 from gateway.request_path import RequestPath
 from gateway.tenants import bearer_key
@@ -40,12 +41,16 @@ class ApiState:
         threads: where its blocking calls run.
         open_calls: the generations open in this process (the gRPC API's too).
         started: when the app was made (seconds since the epoch), the model's ``created``.
+        served_model_names: the model's names (``--served-model-name``); empty: its own (``models``).
+        metrics: the HTTP API's Prometheus registry and counters.
     """
 
     requests: RequestPath
     threads: WorkerThreads
     open_calls: OpenCalls
     started: int
+    served_model_names: tuple[str, ...]
+    metrics: HttpMetrics
 
 
 def api_state(request: Request) -> ApiState:

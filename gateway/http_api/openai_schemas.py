@@ -1,123 +1,222 @@
-"""The OpenAI surface's request bodies (pydantic), as OpenAI's API names their fields.
+"""The OpenAI surface's request bodies (pydantic), as OpenAI's API and vLLM's server name their fields.
 
-Every model forbids fields it does not name, so a misspelt or unsupported
-field is a 400 naming it rather than silently ignored. OpenAI fields kvd does
-not implement are named here only to be refused with a clearer message
-(``Unsupported``): a value other than the one that changes nothing (``n``
-other than 1, a penalty other than 0, tools...) is a 400 naming the field.
+Every field either works, changes nothing (and is accepted), or is refused:
 
-The kvd fields beside OpenAI's: ``template`` (a named template, sent by the
-``openai`` client with ``extra_body``), ``top_k`` and ``ignore_eos`` (as
-vLLM's API names them).
+- implemented: the sampling fields of OpenAI's chat and completions
+  references and vLLM's extras (``top_k``, ``min_p``, penalties,
+  ``logit_bias``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
+  ``include_stop_str_in_output``), messages with ``name`` and text parts,
+  ``add_generation_prompt``, ``continue_final_message``,
+  ``chat_template_kwargs``, kvd's ``template``;
+- accepted, changing nothing (``_NO_OP`` lists the values that do): ``user``,
+  ``safety_identifier``, ``store``, ``metadata``, ``n``/``best_of`` of 1,
+  ``tools`` empty... and ``null`` for any field;
+- refused with a 400 naming the field: a value of ``_NO_OP``'s fields that
+  would change the reply (``n`` > 1, ``echo``, tools, a JSON response
+  format...), as kvd would silently break its meaning;
+- any other field is ignored: ``ignored_fields`` names it (the route logs
+  it once and lists it in the ``x-kvd-ignored-fields`` header), as vLLM
+  ignores fields it does not know.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gateway.http_api.common import Int64
 from kvd.common.field_error import FieldError
 
-# field -> the value(s) that change nothing; anything else is refused.
+#: A completions request's prompts at most (each one is a generation).
+MAX_PROMPTS = 1024
+
+# field -> the value(s) that change nothing; anything else is refused. None
+# (null, or left out) is always one of them.
 _NO_OP: dict[str, tuple] = {
-    "n": (None, 1),
-    "best_of": (None, 1),
-    "echo": (None, False),
-    "suffix": (None, ""),
-    "frequency_penalty": (None, 0, 0.0),
-    "presence_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
-    "logit_bias": (None, {}),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None,),
-    "functions": (None, []),
-    "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
-    "modalities": (None, ["text"]),
-    "audio": (None,),
-    "prediction": (None,),
-    "reasoning_effort": (None,),
-    "verbosity": (None,),
-    "web_search_options": (None,),
-    "service_tier": (None, "auto", "default"),
-    "store": (None, False),
-    "metadata": (None, {}),
-    "prompt_cache_retention": (None,),
-    "safety_identifier": (None,),
+    "n": (1,),
+    "best_of": (1,),
+    "echo": (False,),
+    "suffix": ("",),
+    "prompt_logprobs": (),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "response_format": ({"type": "text"},),
+    "modalities": (["text"],),
+    "audio": (),
+    "web_search_options": (),
+    "verbosity": (),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "use_beam_search": (False,),
+    "length_penalty": (1, 1.0),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "truncate_prompt_tokens": (),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "structured_outputs": (),
+    "chat_template": (),
+    "documents": (),
+}
+_WHY = {
+    "n": "one choice per prompt (n > 1 is not supported yet)",
+    "best_of": "one choice per prompt (best_of > 1 is not supported yet)",
+    "echo": "echo is not supported yet",
+    "prompt_logprobs": "prompt logprobs are not supported yet",
+    "tools": "tool calling is not supported yet",
+    "tool_choice": "tool calling is not supported yet",
+    "functions": "function calling is not supported yet",
+    "function_call": "function calling is not supported yet",
+    "response_format": "structured output is not supported yet (only {'type': 'text'})",
 }
 
 
-class Unsupported(BaseModel):
-    """OpenAI's fields kvd does not implement: refused unless they change nothing."""
+class Body(BaseModel):
+    """A request body (or a part of one): fields it does not name are kept aside, to be reported as ignored."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
+
+    def ignored_fields(self, prefix: str = "") -> list[str]:
+        """The names of the fields it ignored, its parts' too (``messages[].cache_control``)."""
+        names = [prefix + name for name in self.model_extra or {}]
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            parts = value if isinstance(value, list) else [value]
+            for part in parts:
+                if isinstance(part, Body):
+                    names += part.ignored_fields(f"{prefix}{name}{'[]' if isinstance(value, list) else ''}.")
+        return sorted(set(names))
 
     @model_validator(mode="after")
     def _refuse(self):
         for name in type(self).model_fields:
-            if name in _NO_OP and getattr(self, name) not in _NO_OP[name]:
-                raise FieldError(name, f"{name}: not supported by kvd (leave it out)")
+            value = getattr(self, name)
+            if name in _NO_OP and value is not None and value not in _NO_OP[name]:
+                why = _WHY.get(name, "not supported by kvd (leave it out)")
+                raise FieldError(name, f"{name}: {why}")
         return self
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    include_usage: bool = False
+class StreamOptions(Body):
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # OpenAI's padding of chunks: kvd adds none
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["text"]
-    text: str
+class ContentPart(Body):
+    type: Literal["text", "refusal"]
+    text: str | None = None
+    refusal: str | None = None
+
+    def part_text(self) -> str:
+        return (self.text if self.type == "text" else self.refusal) or ""
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+class ChatMessage(Body):
+    """A message; the fields an assistant's reply carries, sent back as the client got it, are accepted null."""
+
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[Any] | None = None
+    function_call: Any = None
+    refusal: str | None = None
+    audio: Any = None
+    annotations: Any = None  # the reply's citations: nothing to render
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, content):
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in ("text", "refusal"):
+                raise FieldError(
+                    "messages", f"messages: a content part of type {kind!r}: only text parts are supported"
+                )
+        return content
+
+    @model_validator(mode="after")
+    def _plain_message(self):
+        if self.role in ("tool", "function"):
+            raise FieldError("messages", f"messages: role {self.role!r}: tool calling is not supported yet")
+        if self.role not in ("system", "developer", "user", "assistant"):
+            raise FieldError("messages", f"messages: role {self.role!r}: give system, developer, user or assistant")
+        if self.tool_calls or self.function_call is not None:
+            raise FieldError("messages", "messages: tool calls: tool calling is not supported yet")
+        if self.audio is not None:
+            raise FieldError("messages", "messages: audio is not supported")
+        return self
 
     def text(self) -> str:
+        """The content as one text: its parts joined by newlines, as vLLM joins them."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "\n".join(part.part_text() for part in self.content)
 
 
-class Sampling(Unsupported):
-    """What both completions take."""
+class Sampling(Body):
+    """What both completions take (None everywhere: unset)."""
 
-    model: str
-    stream: bool = False
+    model: str | None = None
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(default=None, ge=1, lt=2**31)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1, lt=2**31)  # -1, 0: none (vLLM's -1)
+    min_p: float | None = Field(default=None, ge=0, le=1)
     seed: Int64 | None = None
     stop: str | list[str] | None = None
-    user: str | None = None
+    stop_token_ids: list[Int64] | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = Field(default=None, ge=0, lt=2**31)
+    ignore_eos: bool | None = None
+    include_stop_str_in_output: bool | None = None
     prompt_cache_key: str | None = None
     # kvd's own
     template: str | None = None
-    top_k: int | None = Field(default=None, ge=0, lt=2**31)
-    ignore_eos: bool = False
-    # OpenAI's, not implemented: refused unless they change nothing
-    n: int | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, Any] | None = None
-    service_tier: str | None = None
-    store: bool | None = None
-    metadata: dict[str, Any] | None = None
+    # accepted, changing nothing
+    user: Any = None
     safety_identifier: Any = None
     prompt_cache_retention: Any = None
+    service_tier: Any = None
+    store: Any = None
+    metadata: Any = None
+    # refused unless they change nothing (_NO_OP)
+    n: int | None = None
+    best_of: int | None = None
+    echo: bool | None = None
+    prompt_logprobs: Any = None
+    response_format: dict[str, Any] | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    truncate_prompt_tokens: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
     @model_validator(mode="after")
-    def _stream_options(self):
+    def _sampling_fields(self):
         if self.stream_options is not None and not self.stream:
             raise FieldError("stream_options", "stream_options: only allowed with stream: true")
+        for key in self.logit_bias or {}:
+            if not key.strip().lstrip("-").isdigit():
+                raise FieldError("logit_bias", f"logit_bias: key {key!r} is not a token id")
         return self
 
     def stops(self) -> list[str]:
@@ -125,24 +224,34 @@ class Sampling(Unsupported):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def include_usage(self) -> bool:
+        return bool(self.stream_options is not None and self.stream_options.include_usage)
+
 
 class ChatCompletionRequest(Sampling):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = []
     max_completion_tokens: int | None = Field(default=None, ge=1, lt=2**31)
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: Literal[False] | None = None  # a BOS on top of the template's: not supported
+    # accepted, changing nothing
+    parallel_tool_calls: Any = None  # without tools (which are refused)
+    prediction: Any = None  # a latency hint: the reply is the same
+    reasoning_effort: Any = None
+    # refused unless they change nothing (_NO_OP)
     tools: list[Any] | None = None
     tool_choice: Any = None
-    parallel_tool_calls: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
     audio: Any = None
-    prediction: Any = None
-    reasoning_effort: Any = None
-    verbosity: Any = None
     web_search_options: Any = None
+    verbosity: Any = None
+    chat_template: Any = None
+    documents: Any = None
 
     @model_validator(mode="after")
     def _chat_fields(self):
@@ -150,6 +259,8 @@ class ChatCompletionRequest(Sampling):
             raise FieldError("top_logprobs", "top_logprobs: needs logprobs: true")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise FieldError("max_completion_tokens", "max_completion_tokens: give it or max_tokens, not both")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise FieldError("continue_final_message", "continue_final_message: give it or add_generation_prompt")
         if not self.messages and self.template is None:
             raise FieldError("messages", "messages: empty (give messages, or a template alone)")
         return self
@@ -158,21 +269,30 @@ class ChatCompletionRequest(Sampling):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+TokenIds = list[Annotated[int, Field(ge=-(2**63), lt=2**63)]]
+
+
 class CompletionRequest(Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | TokenIds | list[str] | list[TokenIds]
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: bool | None = None
-    best_of: int | None = None
     suffix: str | None = None
+    add_special_tokens: bool | None = None  # a text prompt's BOS (default: yes, as vLLM)
 
     @model_validator(mode="after")
-    def _one_prompt(self):
-        prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) != 1:
-                raise FieldError("prompt", f"prompt: a batch of {len(prompt)} prompts; kvd takes one per request")
-            self.prompt = prompt[0]
+    def _prompts(self):
+        count = len(self.prompts())
+        if count > MAX_PROMPTS:
+            raise FieldError("prompt", f"prompt: {count} prompts; at most {MAX_PROMPTS} per request")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise FieldError("prompt", "prompt: empty")
         return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request (one choice each): a text or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        return list(prompt)
 
     def new_tokens(self) -> int | None:
         return self.max_tokens

@@ -1,5 +1,12 @@
 """The OpenAI surface: its requests as the gateway's ``GenerateRequest``, and its replies in OpenAI's shapes.
 
+Requests: a chat request is one ``GenerateRequest`` (``generate_request``), a
+completions request one per prompt (``completion_requests``). The HTTP API's
+defaults are set here, not the engine's: a chat without ``max_tokens`` runs
+to the end of the context (``max_new_tokens_to_context``), a completion to
+16 tokens (OpenAI's and vLLM's default), and each sampling field left unset
+is the model's ``generation_config`` value, else OpenAI's (temperature 1).
+
 Replies: a whole completion (``completion_body``), and the chunks of a
 streamed one (``Chunks``), for the chat (``chat.completion``) and the text
 (``text_completion``) APIs alike. ``usage`` carries the cache's share of the
@@ -14,7 +21,7 @@ import secrets
 import time
 from collections.abc import Callable, Sequence
 
-from gateway.http_api.openai_schemas import ChatCompletionRequest, CompletionRequest
+from gateway.http_api.openai_schemas import ChatCompletionRequest, CompletionRequest, Sampling
 from kvd.common.field_error import FieldError
 from kvd_api.engine.v1 import engine_pb2 as epb
 from kvd_api.gateway.v1 import gateway_pb2 as pb
@@ -30,39 +37,106 @@ FINISH = {
 TokenText = Callable[[int], str]
 
 
-def generate_request(body: ChatCompletionRequest | CompletionRequest) -> pb.GenerateRequest:
-    """The gateway's request for an OpenAI request (FieldError: a value gRPC cannot carry)."""
+#: A completion's new tokens when ``max_tokens`` is unset (OpenAI's and vLLM's
+#: default for ``/v1/completions``; a chat runs to the end of the context instead).
+COMPLETION_MAX_TOKENS = 16
+
+#: The sampling fields the model's ``generation_config`` may set (the engine's ``Info.default_sampling``).
+MODEL_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+#: OpenAI's temperature when neither the request nor the model sets one (top_p 1: none).
+OPENAI_TEMPERATURE = 1.0
+
+
+def generate_request(body: ChatCompletionRequest, defaults: epb.SamplingParams | None = None) -> pb.GenerateRequest:
+    """The gateway's request for a chat request (FieldError: a value gRPC cannot carry).
+
+    Args:
+        defaults: the model's sampling defaults, for the fields the request leaves unset.
+    """
     out = pb.GenerateRequest(template=body.template or "", cache_key=body.prompt_cache_key or "")
-    if isinstance(body, ChatCompletionRequest):
-        if body.messages:
-            out.chat.messages.extend(epb.ChatMessage(role=_role(m.role), content=m.text()) for m in body.messages)
-        if body.logprobs:
-            out.sampling.logprobs = True
-            out.sampling.top_logprobs = body.top_logprobs or 0
-    else:
-        if isinstance(body.prompt, str):
-            out.text = body.prompt
-        elif body.prompt:
-            out.token_ids.ids.extend(body.prompt)
+    if body.messages:
+        out.chat.CopyFrom(chat_prompt(body))
+    if body.logprobs:
+        out.sampling.logprobs = True
+        out.sampling.top_logprobs = body.top_logprobs or 0
+    _sampling(out.sampling, body, defaults)
+    if body.new_tokens() is None:
+        out.sampling.max_new_tokens_to_context = True  # OpenAI's chat: up to the end of the context
+    return out
+
+
+def completion_requests(
+    body: CompletionRequest, defaults: epb.SamplingParams | None = None
+) -> list[pb.GenerateRequest]:
+    """The gateway's requests for a completions request, one per prompt, in order."""
+    requests = []
+    for prompt in body.prompts():
+        out = pb.GenerateRequest(template=body.template or "", cache_key=body.prompt_cache_key or "")
+        if isinstance(prompt, str):
+            out.text = prompt
+        elif prompt:
+            out.token_ids.ids.extend(prompt)
         elif not body.template:
             raise FieldError("prompt", "prompt: empty")
         if body.logprobs is not None:
             out.sampling.logprobs = True
             out.sampling.top_logprobs = body.logprobs
-    sampling = out.sampling
+        _sampling(out.sampling, body, defaults)
+        if body.max_tokens is None:
+            out.sampling.max_new_tokens = COMPLETION_MAX_TOKENS
+        requests.append(out)
+    return requests
+
+
+def chat_prompt(body) -> epb.ChatPrompt:
+    """The messages of ``body`` (a chat completion's or a ``/tokenize`` request's) and how the chat
+    template renders them (its ``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``)."""
+    chat = epb.ChatPrompt(continue_final_message=bool(body.continue_final_message))
+    chat.messages.extend(
+        epb.ChatMessage(role=_role(m.role), content=m.text(), name=m.name or "") for m in body.messages
+    )
+    if body.add_generation_prompt is not None:
+        chat.add_generation_prompt = body.add_generation_prompt
+    if body.chat_template_kwargs:
+        try:
+            chat.chat_template_kwargs.update(body.chat_template_kwargs)
+        except (ValueError, TypeError) as exc:
+            raise FieldError("chat_template_kwargs", f"chat_template_kwargs: {exc}") from exc
+    return chat
+
+
+def _sampling(sampling: epb.SamplingParams, body: Sampling, defaults: epb.SamplingParams | None) -> None:
+    """The sampling fields both completions share; the model's defaults (else OpenAI's) for those left unset."""
     if (tokens := body.new_tokens()) is not None:
         sampling.max_new_tokens = tokens
-    if body.temperature is not None:
-        sampling.temperature = body.temperature
-    if body.top_p is not None:
-        sampling.top_p = body.top_p
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        if (value := getattr(body, name)) is not None:
+            setattr(sampling, name, value)
     if body.top_k is not None:
-        sampling.top_k = body.top_k
+        sampling.top_k = max(body.top_k, 0)  # vLLM's -1: no top-k
+    for name in MODEL_DEFAULTS:
+        if not sampling.HasField(name) and defaults is not None and defaults.HasField(name):
+            setattr(sampling, name, getattr(defaults, name))
+    if not sampling.HasField("temperature"):
+        sampling.temperature = OPENAI_TEMPERATURE  # an unset temperature samples, as OpenAI's
     if body.seed is not None:
         sampling.seed = body.seed % 2**64  # OpenAI's seeds are signed
     sampling.stop.extend(body.stops())
-    sampling.ignore_eos = body.ignore_eos
-    return out
+    sampling.stop_token_ids.extend(body.stop_token_ids or ())
+    sampling.ignore_eos = bool(body.ignore_eos)
+    sampling.presence_penalty = body.presence_penalty or 0.0
+    sampling.frequency_penalty = body.frequency_penalty or 0.0
+    for key, bias in (body.logit_bias or {}).items():
+        sampling.logit_bias[_token_id(key)] = bias
+    sampling.min_tokens = body.min_tokens or 0
+    sampling.include_stop_str_in_output = bool(body.include_stop_str_in_output)
+
+
+def _token_id(key: str) -> int:
+    token = int(key)
+    if not -(2**63) <= token < 2**63:
+        raise FieldError("logit_bias", f"logit_bias: key {key!r} is not a token id")
+    return token
 
 
 def _role(role: str) -> str:
@@ -88,37 +162,58 @@ def completion_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
 
 
+def summed_usage(usages: Sequence[pb.Usage]) -> pb.Usage:
+    """The usage of several prompts' generations: their counts summed, the latest first token."""
+    total = pb.Usage()
+    for u in usages:
+        for field in _COUNTS:
+            setattr(total, field, getattr(total, field) + getattr(u, field))
+        total.time_to_first_token_s = max(total.time_to_first_token_s, u.time_to_first_token_s)
+    return total
+
+
+_COUNTS = tuple(f.name for f in pb.Usage.DESCRIPTOR.fields if f.name != "time_to_first_token_s")
+
+
 def completion_body(
-    reply: pb.GenerateResponse, chat: bool, model: str, want_logprobs: bool, token_text: TokenText
+    replies: Sequence[pb.GenerateResponse], chat: bool, model: str, want_logprobs: bool, token_text: TokenText
 ) -> dict:
-    """A whole completion (``stream`` false)."""
-    finish = FINISH.get(reply.finish_reason, "stop")
-    logprobs = _logprobs(reply, chat, token_text, 0) if want_logprobs else None
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": reply.text}, "logprobs": logprobs,
-                  "finish_reason": finish}  # fmt: skip
-    else:
-        choice = {"index": 0, "text": reply.text, "logprobs": logprobs, "finish_reason": finish}
+    """A whole completion (``stream`` false): one choice per reply, in order."""
+    choices = []
+    for index, reply in enumerate(replies):
+        finish = FINISH.get(reply.finish_reason, "stop")
+        logprobs = _logprobs(reply, chat, token_text, 0) if want_logprobs else None
+        if chat:
+            choices.append({"index": index, "message": {"role": "assistant", "content": reply.text},
+                            "logprobs": logprobs, "finish_reason": finish})  # fmt: skip
+        else:
+            choices.append({"index": index, "text": reply.text, "logprobs": logprobs, "finish_reason": finish})
     return {
         "id": completion_id(chat),
         "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [choice],
-        "usage": usage(reply.usage),
+        "choices": choices,
+        "usage": usage(summed_usage([r.usage for r in replies])),
     }
 
 
 class Chunks:
-    """The chunks of one streamed completion, message by message."""
+    """The chunks of one streamed completion, message by message; with several
+    prompts, each message is its choice's (``index``), and the usage (summed)
+    comes once every choice finished."""
 
-    def __init__(self, chat: bool, model: str, want_logprobs: bool, include_usage: bool, token_text: TokenText):
+    def __init__(
+        self, chat: bool, model: str, want_logprobs: bool, include_usage: bool, token_text: TokenText, choices: int = 1
+    ):
         self.chat = chat
         self.want_logprobs = want_logprobs
         self.include_usage = include_usage
         self.token_text = token_text
-        self.text_offset = 0
         self.model = model
+        self._text_offsets = [0] * choices
+        self._usages: list[pb.Usage] = []
+        self._choices = choices
         self._id = completion_id(chat)
         self._object = "chat.completion.chunk" if chat else "text_completion"
         self._created = int(time.time())
@@ -134,26 +229,29 @@ class Chunks:
         return [self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None})]  # fmt: skip
 
-    def of(self, message: pb.GenerateResponse) -> list[dict]:
-        """The chunks for one message of the gateway's stream (the last one brings the usage)."""
+    def of(self, message: pb.GenerateResponse, index: int = 0) -> list[dict]:
+        """The chunks for one message of choice ``index``'s stream (its last one brings its usage)."""
         out = []
         if message.text or message.token_ids:
-            logprobs = _logprobs(message, self.chat, self.token_text, self.text_offset) if self.want_logprobs else None
-            self.text_offset += len(message.text)
+            offset = self._text_offsets[index]
+            logprobs = _logprobs(message, self.chat, self.token_text, offset) if self.want_logprobs else None
+            self._text_offsets[index] += len(message.text)
             if self.chat:
-                choice = {"index": 0, "delta": {"content": message.text}, "logprobs": logprobs, "finish_reason": None}
+                choice = {"index": index, "delta": {"content": message.text}, "logprobs": logprobs,
+                          "finish_reason": None}  # fmt: skip
             else:
-                choice = {"index": 0, "text": message.text, "logprobs": logprobs, "finish_reason": None}
+                choice = {"index": index, "text": message.text, "logprobs": logprobs, "finish_reason": None}
             out.append(self._chunk(choice))
         if message.HasField("usage"):
             finish = FINISH.get(message.finish_reason, "stop")
             if self.chat:
-                choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish}
+                choice = {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": index, "text": "", "logprobs": None, "finish_reason": finish}
             out.append(self._chunk(choice))
-            if self.include_usage:
-                out.append({**self._head, "choices": [], "usage": usage(message.usage)})
+            self._usages.append(message.usage)
+            if self.include_usage and len(self._usages) == self._choices:
+                out.append({**self._head, "choices": [], "usage": usage(summed_usage(self._usages))})
         return out
 
     def _chunk(self, choice: dict) -> dict:

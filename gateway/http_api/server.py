@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import uvicorn
@@ -45,6 +46,7 @@ class HttpServer:
         address: str,
         tls_cert: Path | None = None,
         tls_key: Path | None = None,
+        served_model_names: Sequence[str] = (),
     ) -> None:
         host, port = split_address(address)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -59,8 +61,9 @@ class HttpServer:
         self.host = host
         self.port = self.socket.getsockname()[1]
         self.threads = WorkerThreads(open_calls.limit + OTHER_THREADS)
+        app = create_app(requests, self.threads, open_calls, served_model_names)
         config = uvicorn.Config(
-            create_app(requests, self.threads, open_calls), log_config=None, access_log=False, lifespan="off",
+            app, log_config=None, access_log=False, lifespan="off",
             timeout_graceful_shutdown=2, ssl_certfile=tls_cert, ssl_keyfile=tls_key,
         )  # fmt: skip
         self.server = uvicorn.Server(config)

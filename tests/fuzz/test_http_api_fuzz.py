@@ -50,9 +50,12 @@ NAMES = st.one_of(st.sampled_from(["support-bot", "chat-bot", "missing", "fuzz-a
 HOSTILE = st.one_of(JUNK, INTS, FLOATS, TEXT)
 VALID_MESSAGE = st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "developer", "user", "assistant"]),
-     "content": st.one_of(TEXT, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}),
-                                         min_size=1, max_size=2))},
+     "content": st.one_of(TEXT, st.none(), st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}),
+                                                    min_size=1, max_size=2))},
+    optional={"name": TEXT, "tool_calls": st.none(), "function_call": st.none(), "refusal": st.none(),
+              "audio": st.none(), "annotations": st.just([]), "cache_control": JUNK},
 )  # fmt: skip
+TOKEN = st.integers(0, 49151)
 #: param -> its valid values (the hostile ones are drawn from HOSTILE).
 SAMPLING = {
     "stream": st.booleans(),
@@ -68,8 +71,20 @@ SAMPLING = {
     "template": NAMES,
     "prompt_cache_key": TEXT,
     "ignore_eos": st.booleans(),
-    "frequency_penalty": st.just(0),
-    "presence_penalty": st.just(0),
+    "frequency_penalty": st.floats(-2, 2),
+    "presence_penalty": st.floats(-2, 2),
+    "repetition_penalty": st.floats(0.5, 2),
+    "min_p": st.floats(0, 1),
+    "logit_bias": st.dictionaries(TOKEN.map(str), st.floats(-100, 100), max_size=3),
+    "min_tokens": st.integers(0, 3),
+    "stop_token_ids": st.lists(TOKEN, max_size=3),
+    "include_stop_str_in_output": st.booleans(),
+    "skip_special_tokens": st.just(True),
+    "spaces_between_special_tokens": st.just(True),
+    "best_of": st.just(1),
+    "safety_identifier": TEXT,
+    "prompt_cache_retention": st.sampled_from(["in_memory", "24h"]),
+    "echo": st.just(False),
 }
 CHAT = {
     **SAMPLING,
@@ -78,13 +93,32 @@ CHAT = {
     "logprobs": st.booleans(),
     "top_logprobs": st.integers(0, 20),
     "tools": st.just([]),
+    "parallel_tool_calls": st.booleans(),
+    "add_generation_prompt": st.booleans(),
+    "continue_final_message": st.booleans(),
+    "chat_template_kwargs": st.dictionaries(st.sampled_from(["enable_thinking", "x"]), st.booleans(), max_size=2),
 }
 COMPLETION = {
     **SAMPLING,
-    "prompt": st.one_of(TEXT, st.lists(st.integers(0, 49151), min_size=1, max_size=6), st.lists(TEXT, max_size=1)),
+    "prompt": st.one_of(
+        TEXT,
+        st.lists(TOKEN, min_size=1, max_size=6),
+        st.lists(TEXT, max_size=3),
+        st.lists(st.lists(TOKEN, min_size=1, max_size=4), min_size=1, max_size=3),
+    ),
     "logprobs": st.integers(0, 5),
-    "echo": st.just(False),
+    "add_special_tokens": st.booleans(),
 }
+TOKENIZE = {
+    "model": st.just("MODEL"),
+    "prompt": TEXT,
+    "messages": st.lists(VALID_MESSAGE, min_size=1, max_size=3),
+    "add_generation_prompt": st.booleans(),
+    "continue_final_message": st.booleans(),
+    "add_special_tokens": st.booleans(),
+    "return_token_strs": st.booleans(),
+}
+DETOKENIZE = {"model": st.just("MODEL"), "tokens": st.lists(TOKEN, max_size=8)}
 TEMPLATE = {
     "name": NAMES,
     "content": TEXT,
@@ -118,8 +152,9 @@ class Tally:
             error = response.json()["error"]
             assert isinstance(error["message"], str) and error["message"], (what, response.text)
         elif response.headers["content-type"].startswith("text/event-stream"):
-            events = [line for line in response.text.splitlines() if line.startswith("data: ")]
-            assert events[-1] == "data: [DONE]", (what, response.text[-500:])
+            events = response.content.split(b"\n\n")  # as the strictest SSE readers split them
+            assert events[-1] == b"" and events[-2] == b"data: [DONE]", (what, response.text[-500:])
+            assert all(e.startswith(b"data: ") and b"\n" not in e for e in events[:-1]), (what, response.text[:500])
 
     def report(self, name: str) -> None:
         print(f"{name}: {sum(self.statuses.values())} cases, statuses {dict(sorted(self.statuses.items()))}")
@@ -191,6 +226,27 @@ def test_completions(stack, path):
     tally.report(path)
     assert gateway.process.poll() is None
     assert wait_for(lambda: blocks_held(daemon) == 0, 30)
+
+
+def test_tokenize_and_detokenize(stack):
+    daemon, gateway, client = stack
+    served = _model(client)
+    base = str(client.base_url).removesuffix("/").removesuffix("/v1")
+    tally = Tally()
+
+    @FUZZ
+    @given(tokenize=bodies(TOKENIZE, ()), detokenize=bodies(DETOKENIZE, ("tokens",)), headers=HEADERS)
+    def one(tokenize, detokenize, headers):
+        for path, body in (("/tokenize", tokenize), ("/detokenize", detokenize)):
+            if body.get("model") == "MODEL":
+                body = {**body, "model": served}
+            tally.check(path, _post(client, f"{base}{path}", body, headers))
+
+    one()
+    for path in ("/version", "/metrics"):
+        tally.check(path, client.get(f"{base}{path}"))
+    tally.report("tokenize")
+    assert gateway.process.poll() is None
 
 
 def test_templates(stack):

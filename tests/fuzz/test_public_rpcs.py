@@ -91,7 +91,10 @@ def message(draw, cls, depth: int = 0):
         if not draw(st.booleans()):
             continue
         repeated = field.is_repeated
-        if field.type == _T.TYPE_MESSAGE:
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            key, value = field.message_type.fields_by_name["key"], field.message_type.fields_by_name["value"]
+            getattr(msg, field.name).update(draw(st.dictionaries(_scalar(key), _scalar(value), max_size=3)))
+        elif field.type == _T.TYPE_MESSAGE:
             if depth > 3 or field.message_type.full_name.startswith("google.protobuf"):
                 continue
             sub = message(field.message_type._concrete_class, depth + 1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import subprocess
 import tempfile
@@ -30,6 +31,7 @@ from tests.integration.engine_client import reference_greedy
 from tests.integration.gateway_client import document
 
 BLOCK = 16
+HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 KEYS = {"acme-key": ["generate", "templates:write"], "reader-key": ["generate"]}
 SUPPORT = (
     "You are the support assistant of ACME Corp. You answer questions about ACME's products politely and "
@@ -89,6 +91,18 @@ def test_models_lists_the_served_model_with_its_context(client, model_name, grpc
     info = grpc_client.info()
     model = client.models.retrieve(model_name)
     assert model.id == info.model and model.model_extra["context_length"] == info.max_context
+    assert model.model_extra["max_model_len"] == info.max_context and model.owned_by == "kvd"
+    assert model.model_extra["root"] == HUB_ID and model.model_extra["parent"] is None
+
+
+def test_the_model_answers_to_its_hugging_face_id(client, model_name):
+    """The bundled SmolLM2 by the id of its model card (a client configured from it, LiteLLM's say)."""
+    assert client.models.retrieve(HUB_ID).id == HUB_ID
+    by_id = client.chat.completions.create(model=HUB_ID, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                           **GREEDY)  # fmt: skip
+    by_name = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Hi"}],
+                                             max_tokens=4, **GREEDY)  # fmt: skip
+    assert by_id.model == HUB_ID and by_id.choices[0].message.content == by_name.choices[0].message.content
 
 
 def test_chat_equals_grpc_complete_and_model_generate(client, model_name, grpc_client, tokenizer, reference_model):
@@ -187,7 +201,7 @@ def test_a_chat_template_takes_chat_messages(client, model_name, grpc_client):
     client.post("/templates", body=body, cast_to=httpx.Response)
     try:
         messages = [{"role": "user", "content": "Hi"}]
-        reply = client.chat.completions.create(model=model_name, messages=messages, max_tokens=4,
+        reply = client.chat.completions.create(model=model_name, messages=messages, max_tokens=4, temperature=0,
                                                extra_body={"template": "terse", "ignore_eos": True})  # fmt: skip
         grpc_reply = grpc_client.complete(chat=[("user", "Hi")], template="terse", max_new_tokens=4, ignore_eos=True)
         assert reply.choices[0].message.content == grpc_reply.text
@@ -240,16 +254,20 @@ def test_errors_raise_the_clients_classes(stack, client, model_name):
     reader = openai.OpenAI(base_url=stack[2], api_key="reader-key", max_retries=0)
     with pytest.raises(openai.PermissionDeniedError, match="templates:write"):
         reader.post("/templates", body={"name": "mine", "content": "x"}, cast_to=httpx.Response)
-    refused = {"n": 2, "tools": [{"type": "function", "function": {"name": "f"}}], "frequency_penalty": 0.5,
+    refused = {"n": 2, "tools": [{"type": "function", "function": {"name": "f"}}], "frequency_penalty": 2.5,
                "response_format": {"type": "json_object"}, "temperature": 3, "max_tokens": 0}  # fmt: skip
     for param, value in refused.items():
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Hi"}],
                                            **{param: value})  # fmt: skip
         assert info.value.body["param"] == param, info.value.body
+    ignored = client.completions.with_raw_response.create(model=model_name, prompt="Hi", max_tokens=1,
+                                                          extra_body={"best_friend": 1})  # fmt: skip
+    assert ignored.headers["x-kvd-ignored-fields"] == "best_friend"  # ignored, as vLLM does, and named
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=model_name, prompt="Hi", extra_body={"best_friend": 1})
-    assert info.value.body["param"] == "best_friend"
+        client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
+                                       logit_bias={"99999999": 5})  # fmt: skip
+    assert info.value.body["param"] == "logit_bias"  # the engine's check, named across the boundary
     with pytest.raises(openai.BadRequestError, match="prompt") as info:
         client.completions.create(model=model_name, prompt=[10**12])
     assert info.value.body["param"] == "prompt"  # the engine's refusal names its field across the boundary
@@ -334,3 +352,121 @@ def test_an_error_after_the_first_token_ends_the_stream_with_an_error_event(stac
     finally:
         engine.stop()
     assert wait_for(lambda: blocks_held(daemon) == 0, 10), blocks_held(daemon)
+
+
+# ------------------------------------------------------ prompts and endpoints
+
+
+def test_a_list_of_prompts_equals_separate_requests(client, model_name, tokenizer):
+    prompts = ["The capital of France is", "Once upon a time", "1, 2, 3,"]
+    ids = tokenizer.encode(" A list of token ids")
+    batch = client.completions.create(model=model_name, prompt=prompts, max_tokens=6, **GREEDY)
+    alone = [client.completions.create(model=model_name, prompt=p, max_tokens=6, **GREEDY) for p in prompts]
+    assert [c.index for c in batch.choices] == [0, 1, 2]
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone]
+    assert batch.usage.completion_tokens == 18
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    streamed = client.completions.create(model=model_name, prompt=[ids, ids[:3]], max_tokens=5, stream=True,
+                                         **GREEDY)  # fmt: skip
+    texts = ["", ""]
+    for chunk in streamed:
+        texts[chunk.choices[0].index] += chunk.choices[0].text
+    singles = [client.completions.create(model=model_name, prompt=p, max_tokens=5, **GREEDY).choices[0].text
+               for p in (ids, ids[:3])]  # fmt: skip
+    assert texts == singles
+
+
+def test_tokenize_and_detokenize_agree_with_the_tokenizer(stack, model_name, tokenizer):
+    base = stack[2].removesuffix("/v1")
+    headers = {"Authorization": "Bearer acme-key"}
+    text = "The harbour master said: ahoy!"
+    tokens = httpx.post(f"{base}/tokenize", json={"model": model_name, "prompt": text}, headers=headers).json()
+    assert tokens["tokens"] == tokenizer.encode(text) and tokens["count"] == len(tokens["tokens"])
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = httpx.post(f"{base}/tokenize", json={"messages": messages}, headers=headers).json()
+    assert chat["tokens"] == chat_ids(tokenizer, messages) and chat["max_model_len"] > 0
+    back = httpx.post(f"{base}/detokenize", json={"tokens": tokens["tokens"]}, headers=headers).json()
+    assert back == {"prompt": tokenizer.decode(tokens["tokens"])}
+    assert httpx.get(f"{base}/version").json()["version"]
+    assert "kvd_gateway_http_requests_total" in httpx.get(f"{base}/metrics").text
+
+
+def test_a_raw_sse_reader_splitting_on_blank_lines_reads_every_event(stack, model_name):
+    body = {"model": model_name, "prompt": "Count: one, two,", "max_tokens": 12, "stream": True, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    with httpx.Client(base_url=stack[2], headers={"Authorization": "Bearer acme-key"}, timeout=120) as http:
+        raw = http.post("/completions", json=body).content
+    events = raw.split(b"\n\n")
+    assert events[-1] == b"" and events[-2] == b"data: [DONE]" and b"\r" not in raw
+    chunks = [json.loads(e.removeprefix(b"data: ")) for e in events[:-2]]
+    assert all(e.startswith(b"data: {") for e in events[:-2])  # no comment (ping) lines
+    assert sum(len(c["choices"][0]["text"]) > 0 for c in chunks) > 1 and "usage" not in chunks[-1]
+
+
+# -------------------------------------- a small cache, a strict chat template
+
+
+#: SmolLM2's chat template, made to refuse roles that do not alternate (as many models' templates do).
+STRICT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'user' and loop.index0 > 0 and "
+    "messages[loop.index0 - 1]['role'] == 'user' %}{{ raise_exception('Conversation roles must alternate "
+    "user/assistant/user/assistant/...') }}{% endif %}{{ '<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SMALL_BLOCKS = 8  # 128 tokens: a chat run to the end of what the cache holds ends fast
+
+
+@pytest.fixture(scope="module")
+def small_stack(model_dir):
+    """(an openai client, its names) on a gateway named ``--served-model-name org/strict,strict``, over
+    an engine whose model is SmolLM2 with the strict chat template, on a daemon of 8 blocks."""
+    folder = tempfile.mkdtemp(prefix="kvd-http-small-", dir="/tmp")
+    strict = os.path.join(folder, "strict-smollm2")
+    os.makedirs(strict)
+    for entry in os.listdir(model_dir):
+        if entry != "chat_template.jinja":
+            os.symlink(os.path.join(model_dir, entry), os.path.join(strict, entry))
+    with open(os.path.join(strict, "chat_template.jinja"), "w") as f:
+        f.write(STRICT_TEMPLATE)
+    http = f"127.0.0.1:{free_port()}"
+    daemon = start_daemon(["--block-size", str(BLOCK), "--num-blocks", str(SMALL_BLOCKS)], folder)
+    engine = start_engine(daemon, ["--model", strict, "--dtype", "float32"], folder)
+    args = ["--http-listen", http, "--served-model-name", "org/strict,strict"]
+    try:
+        with gateway_on_local_redis(engine.address, folder, 1, args):
+            assert wait_for(lambda: httpx.get(f"http://{http}/ready").status_code == 200, 30)
+            yield openai.OpenAI(base_url=f"http://{http}/v1", api_key="unused", max_retries=0, timeout=120)
+    finally:
+        engine.stop()
+        daemon.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_chat_without_max_tokens_runs_to_what_the_cache_holds(small_stack):
+    """No max_tokens: past the old 64-token cut, to the end of what the cache holds (8 blocks of 16 tokens,
+    less the engine's one speculative slot), ending with finish_reason "length"."""
+    reply = small_stack.chat.completions.create(model="strict", messages=[{"role": "user", "content": "Tell a story."}],
+                                                temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage.completion_tokens > 64
+    assert reply.usage.prompt_tokens + reply.usage.completion_tokens == SMALL_BLOCKS * BLOCK - 1
+    with pytest.raises(openai.BadRequestError):  # a stated max_tokens that cannot fit stays a 400
+        small_stack.chat.completions.create(model="strict", messages=[{"role": "user", "content": "Hi"}],
+                                            max_tokens=SMALL_BLOCKS * BLOCK)  # fmt: skip
+
+
+def test_a_chat_template_error_is_a_bad_request_naming_messages(small_stack):
+    messages = [{"role": "user", "content": "Hi"}, {"role": "user", "content": "Hello?"}]
+    with pytest.raises(openai.BadRequestError, match="roles must alternate") as info:
+        small_stack.chat.completions.create(model="strict", messages=messages, max_tokens=2)
+    assert info.value.body["param"] == "messages"
+
+
+def test_served_model_names_replace_the_folders_name(small_stack):
+    assert [m.id for m in small_stack.models.list().data] == ["org/strict"]
+    reply = small_stack.chat.completions.create(model="org/strict", messages=[{"role": "user", "content": "Hi"}],
+                                                max_tokens=2)  # fmt: skip
+    assert reply.model == "org/strict" and reply.usage.completion_tokens == 2
+    with pytest.raises(openai.NotFoundError):
+        small_stack.chat.completions.create(model="strict-smollm2", messages=[{"role": "user", "content": "Hi"}])

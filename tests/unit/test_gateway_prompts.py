@@ -14,6 +14,8 @@ from gateway.templates import Template, TemplateNotFound
 from gateway.tokenizer import GatewayTokenizer
 from inference import model_store
 from inference.service import tokenizer_files
+from kvd.common import chat as prompts
+from kvd.common.field_error import FieldError
 from kvd_api.engine.v1 import engine_pb2 as epb
 from kvd_api.gateway.v1 import gateway_pb2 as pb
 
@@ -59,8 +61,10 @@ def template(content: str, token_ids: list[int], messages=()) -> Template:
 
 def test_text_is_tokenized_as_the_engine_does(tokenizer, reference):
     text = " Customer: what do you sell?  Émile asks — twice. 北京"
-    assert tokenizer.text_ids(text) == reference.encode(text, add_special_tokens=False)
-    assert own_ids(tokenizer, pb.GenerateRequest(text=text)) == reference.encode(text, add_special_tokens=False)
+    # With the tokenizer's special tokens (a BOS where the model has one), as vLLM's completions.
+    assert tokenizer.text_ids(text) == reference.encode(text) == prompts.text_ids(reference, text)
+    assert own_ids(tokenizer, pb.GenerateRequest(text=text)) == reference.encode(text)
+    assert tokenizer.text_ids(text, add_special_tokens=False) == reference.encode(text, add_special_tokens=False)
     chat = chat_request(QUESTION)
     assert own_ids(tokenizer, chat) == rendered(reference, QUESTION, True)
 
@@ -178,3 +182,39 @@ def test_cached_templates_follow_deletes_and_new_contents(store):
     for cache in (here, there):
         fresh = cache.get("acme", "bot")
         assert (fresh.content, fresh.token_ids, fresh.messages) == ("second", [3, 4, 5], ())
+
+
+def test_a_chat_template_that_refuses_the_messages_is_a_field_error_naming_them(files):
+    strict = b"{% for m in messages %}{% if m['role'] == 'system' and not loop.first %}" \
+        b"{{ raise_exception('a system message comes first') }}{% endif %}{{ m['content'] }}{% endfor %}"  # fmt: skip
+    refusing = GatewayTokenizer(lambda: {**files, "chat_template.jinja": strict})
+    with pytest.raises(FieldError, match="a system message comes first") as info:
+        refusing.chat_ids([("user", "Hi"), ("system", "late")])
+    assert info.value.field == "chat.messages"
+
+
+def test_names_continuations_and_template_kwargs_reach_the_template(tokenizer, reference):
+    prompt = epb.ChatPrompt(messages=[epb.ChatMessage(role="user", content="Hi", name="alice"),
+                                      epb.ChatMessage(role="assistant", content="Hel")],
+                            continue_final_message=True)  # fmt: skip
+    expected = reference.apply_chat_template(
+        [{"role": "user", "content": "Hi", "name": "alice"}, {"role": "assistant", "content": "Hel"}],
+        continue_final_message=True, tokenize=True,
+    )["input_ids"]  # fmt: skip
+    assert tokenizer.chat_ids(prompt) == list(expected)
+    assert reference.decode(expected).endswith("Hel")  # no end of turn: the model goes on with it
+    prompt.chat_template_kwargs.update({"tokenize": False})
+    with pytest.raises(FieldError, match="tokenize") as info:
+        tokenizer.chat_ids(prompt)
+    assert info.value.field == "chat.chat_template_kwargs"
+
+
+def test_a_text_after_a_template_gets_no_special_tokens(tokenizer, files):
+    with_bos = GatewayTokenizer(lambda: files)
+    loaded = with_bos._loaded()
+    loaded.add_bos_token = True  # as a model whose tokenizer adds a BOS (SmolLM2's adds none)
+    if loaded.encode("x")[:1] != [loaded.bos_token_id]:
+        pytest.skip("this tokenizer cannot be made to add a BOS")
+    text = template("Intro.", with_bos.text_ids("Intro."))
+    prompt, _ = templated_ids(with_bos, text, pb.GenerateRequest(template="t", text=" Hi!"))
+    assert prompt.count(loaded.bos_token_id) == 1 and prompt[0] == loaded.bos_token_id

@@ -9,8 +9,8 @@ import pytest
 from pydantic import ValidationError
 
 from gateway.http_api.errors import api_error
-from gateway.http_api.openai_schemas import ChatCompletionRequest, CompletionRequest
-from gateway.http_api.openai_translate import Chunks, completion_body, generate_request
+from gateway.http_api.openai_schemas import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest
+from gateway.http_api.openai_translate import Chunks, completion_body, completion_requests, generate_request
 from gateway.http_api.threads import HttpCall
 from gateway.request_errors import RequestError
 from gateway.request_path import cache_key_member
@@ -26,9 +26,10 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
 
 @pytest.mark.parametrize(
     "field, value",
-    [("n", 2), ("tools", [{"type": "function"}]), ("frequency_penalty", 0.5), ("presence_penalty", -1),
-     ("response_format", {"type": "json_object"}), ("logit_bias", {"1": 5}), ("tool_choice", "auto"),
-     ("unknown_field", 1), ("temperature", 2.5), ("top_logprobs", 21), ("max_tokens", 0)],
+    [("n", 2), ("tools", [{"type": "function"}]), ("frequency_penalty", 2.5), ("presence_penalty", -3),
+     ("response_format", {"type": "json_object"}), ("logit_bias", {"a": 5}), ("tool_choice", "auto"),
+     ("echo", True), ("prompt_logprobs", 1), ("guided_json", {}), ("skip_special_tokens", False),
+     ("temperature", 2.5), ("top_logprobs", 21), ("max_tokens", 0), ("min_p", 1.5), ("chat_template", "x")],
 )  # fmt: skip
 def test_a_chat_field_kvd_does_not_take_is_refused_naming_it(field, value):
     with pytest.raises(ValidationError) as info:
@@ -39,16 +40,22 @@ def test_a_chat_field_kvd_does_not_take_is_refused_naming_it(field, value):
 
 
 def test_no_op_values_of_unimplemented_fields_pass():
-    body = ChatCompletionRequest.model_validate({**CHAT, "n": 1, "frequency_penalty": 0, "tools": [], "store": False})
-    assert body.n == 1
+    body = ChatCompletionRequest.model_validate({**CHAT, "n": 1, "frequency_penalty": 0, "tools": [], "store": True,
+                                                 "unknown_field": 1, "best_of": None})  # fmt: skip
+    assert body.n == 1 and body.ignored_fields() == ["unknown_field"]
 
 
-def test_a_completion_takes_one_prompt_of_text_or_token_ids():
-    assert generate_request(CompletionRequest(model="m", prompt="Hi")).text == "Hi"
-    assert list(generate_request(CompletionRequest(model="m", prompt=[1, 2])).token_ids.ids) == [1, 2]
-    assert generate_request(CompletionRequest(model="m", prompt=["Hi"])).text == "Hi"
-    with pytest.raises(ValidationError, match="batch of 2"):
-        CompletionRequest(model="m", prompt=["a", "b"])
+def test_a_completion_takes_prompts_of_text_or_token_ids():
+    (text,) = completion_requests(CompletionRequest(model="m", prompt="Hi"))
+    assert text.text == "Hi" and text.sampling.max_new_tokens == 16  # vLLM's default for completions
+    assert list(completion_requests(CompletionRequest(model="m", prompt=[1, 2]))[0].token_ids.ids) == [1, 2]
+    assert [r.text for r in completion_requests(CompletionRequest(model="m", prompt=["a", "b"]))] == ["a", "b"]
+    lists = completion_requests(CompletionRequest(model="m", prompt=[[1], [2, 3]]))
+    assert [list(r.token_ids.ids) for r in lists] == [[1], [2, 3]]
+    with pytest.raises(ValidationError, match="prompt: empty"):
+        CompletionRequest(model="m", prompt=[])
+    with pytest.raises(ValidationError, match="at most"):
+        CompletionRequest(model="m", prompt=["a"] * (MAX_PROMPTS + 1))
 
 
 def test_a_chat_request_becomes_the_gateways_request():
@@ -59,7 +66,7 @@ def test_a_chat_request_becomes_the_gateways_request():
          "prompt_cache_key": "conv-1", "ignore_eos": True, "top_k": 4}
     )  # fmt: skip
     out = generate_request(body)
-    assert [(m.role, m.content) for m in out.chat.messages] == [("system", "Be brief."), ("user", "Hi")]
+    assert [(m.role, m.content) for m in out.chat.messages] == [("system", "Be \nbrief."), ("user", "Hi")]
     s = out.sampling
     assert (s.max_new_tokens, s.top_p, s.seed, list(s.stop), s.top_logprobs, s.top_k) == (
         5,
@@ -82,7 +89,7 @@ def _reply(text: str, ids: list[int], usage: bool) -> pb.GenerateResponse:
 
 
 def test_a_whole_reply_has_openais_usage_with_the_caches_share():
-    body = completion_body(_reply("ab", [1, 2], True), chat=True, model="m", want_logprobs=True, token_text=str)
+    body = completion_body([_reply("ab", [1, 2], True)], chat=True, model="m", want_logprobs=True, token_text=str)
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "ab"}
     assert body["choices"][0]["finish_reason"] == "length"
     assert [e["token"] for e in body["choices"][0]["logprobs"]["content"]] == ["1", "2"]
@@ -140,7 +147,9 @@ def test_errors_get_the_status_of_their_grpc_code(exc, status):
 @pytest.mark.parametrize(
     "field, param",
     [("sampling.max_new_tokens", "max_tokens"), ("chat.messages[2].role", "messages"), ("cache_key",
-     "prompt_cache_key"), ("token_ids.ids", None), ("cache_salt", None), (None, None)],
+     "prompt_cache_key"), ("token_ids.ids", None), ("cache_salt", None), (None, None),
+     ("sampling.logit_bias", "logit_bias"), ("logit_bias", "logit_bias"), ("sampling.min_p", "min_p"),
+     ("chat.chat_template_kwargs", "chat_template_kwargs"), ("sampling.repetition_penalty", "repetition_penalty")],
 )  # fmt: skip
 def test_a_refused_field_is_named_as_openai_names_it(field, param):
     assert api_error(FieldError(field, "refused")).param == param
@@ -176,3 +185,24 @@ def test_a_cache_key_routes_to_one_replica_within_its_tenant():
     assert {router.choose(RouteKey(template=key)) for _ in range(5)} == {rendezvous(key.encode(), replicas)[0]}
     assert cache_key_member("globex", "conv-7") != key  # tenants' keys never meet
     assert cache_key_member("acme", "bot") != "acme/bot"  # nor a template's (':' is in no template name)
+
+
+def test_the_models_sampling_defaults_fill_what_the_request_leaves_unset():
+    model = epb.SamplingParams(temperature=0.7, top_p=0.8, top_k=20, min_p=0.05, repetition_penalty=1.1)
+    out = generate_request(ChatCompletionRequest.model_validate({**CHAT, "top_p": 0.5}), model).sampling
+    assert [round(v, 3) for v in (out.temperature, out.top_p, out.min_p, out.repetition_penalty)] == [0.7, 0.5, 0.05,
+                                                                                                     1.1]  # fmt: skip
+    assert out.top_k == 20 and out.max_new_tokens_to_context
+    plain = generate_request(ChatCompletionRequest.model_validate({**CHAT, "max_tokens": 5})).sampling
+    assert plain.temperature == 1.0 and not plain.HasField("top_p") and plain.max_new_tokens == 5
+    assert not plain.max_new_tokens_to_context
+
+
+def test_streamed_choices_keep_their_own_offsets_and_the_usage_waits_for_all():
+    chunks = Chunks(chat=False, model="m", want_logprobs=True, include_usage=True, token_text=str, choices=2)
+    out = chunks.of(_reply("ab", [1, 2], False), 1) + chunks.of(_reply("c", [3], True), 0)
+    assert [c["choices"][0]["index"] for c in out] == [1, 0, 0]
+    assert out[1]["choices"][0]["logprobs"]["text_offset"] == [0]  # choice 0's own offset
+    assert not any(c["choices"] == [] for c in out)  # choice 1 has not finished
+    last = chunks.of(_reply("", [], True), 1)
+    assert last[-1]["choices"] == [] and last[-1]["usage"]["completion_tokens"] == 4

@@ -221,3 +221,11 @@ def test_layout_falls_back_for_configs_without_head_dim_or_kv_heads():
     spec = model_spec(config)
     assert spec.layout == ModelLayout(num_layers=2, num_kv_heads=4, head_dim=16) and spec.max_context == 128
     assert spec.eos_token_ids == (5, 7)
+
+
+def test_the_hub_id_of_the_bundled_model_and_of_a_hub_snapshot(tmp_path):
+    converted = tmp_path / Path(model_store.SMOLLM2_GGUF).stem
+    snapshot = tmp_path / "hub" / "models--Qwen--Qwen3-0.6B" / "snapshots" / "abc123"
+    assert model_store.hub_id(converted) == model_store.SMOLLM2_HUB_ID
+    assert model_store.hub_id(snapshot) == "Qwen/Qwen3-0.6B"
+    assert model_store.hub_id(tmp_path / "my-finetune") == ""

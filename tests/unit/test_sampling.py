@@ -82,11 +82,32 @@ def test_top_logprobs_are_the_most_likely_tokens():
         ({"max_new_tokens": 0}, "max_new_tokens"),
         ({"stop": ("",)}, "stop"),
         ({"top_logprobs": 21}, "top_logprobs"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_p": math.nan}, "min_p"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -2.01}, "frequency_penalty"),
+        ({"frequency_penalty": math.inf}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": math.nan}, "repetition_penalty"),
+        ({"logit_bias": {5: 100.5}}, "logit_bias"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 65}, "min_tokens"),  # more than max_new_tokens (64)
     ],
 )
 def test_bad_parameters_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_edge_values_are_accepted_and_only_processors_set_the_flag():
+    edges = SamplingParams(min_p=1.0, presence_penalty=-2.0, frequency_penalty=2.0, logit_bias={0: -100.0},
+                           min_tokens=64, max_new_tokens=64)  # fmt: skip
+    assert edges.processes_logits
+    assert not SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.2, seed=1).processes_logits
+    assert SamplingParams(repetition_penalty=1.1).processes_logits
+    assert SamplingParams(min_tokens=1).processes_logits
 
 
 # ------------------------------------------------- the batched (GPU) sampler, on CPU tensors

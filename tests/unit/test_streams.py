@@ -24,13 +24,13 @@ def events_of(seq: Sequence) -> list[StreamEvent]:
     return events
 
 
-def run(tokenizer, text: str, stop=(), finish_last: Finish | None = None):
+def run(tokenizer, text: str, stop=(), finish_last: Finish | None = None, **sampling):
     """Streams ``text``'s tokens as one step each, the loop ending the
     sequence at the last one with ``finish_last``; returns (events, stop calls)."""
     ids = tokenizer.encode(text, add_special_tokens=False)
     stopped: list[str] = []
     writer = StreamWriter(tokenizer, on_stop=stopped.append)
-    seq = Sequence("r1", [1, 2], SamplingParams(max_new_tokens=len(ids), stop=tuple(stop)))
+    seq = Sequence("r1", [1, 2], SamplingParams(max_new_tokens=len(ids), stop=tuple(stop), **sampling))
     try:
         for i, token in enumerate(ids):
             final = i == len(ids) - 1 and finish_last is not None
@@ -69,6 +69,31 @@ def test_eos_at_the_stop_strings_own_token_wins_as_in_the_loop(tokenizer):
     ids, events, stopped = run(tokenizer, "one two END OF", stop=["END OF"], finish_last=Finish.EOS)
     assert stopped == []  # the loop already ended it
     assert events[-1] == StreamFinished(Finish.EOS, len(ids))
+
+
+def streamed(events: list[StreamEvent]) -> tuple[list[int], str]:
+    tokens = [e.token_ids[0] for e in events if isinstance(e, StreamTokens)]
+    return tokens, "".join(e.text for e in events if isinstance(e, StreamTokens))
+
+
+def test_include_stop_str_in_output_streams_the_stop_string(tokenizer):
+    text = "The answer is forty-two. END OF STORY and more words"
+    ids, events, stopped = run(tokenizer, text, stop=["END OF"], include_stop_str_in_output=True)
+    tokens, streamed_text = streamed(events)
+    assert stopped == ["r1"]
+    assert streamed_text == "The answer is forty-two. END OF"
+    assert events[-1] == StreamFinished(Finish.STOP, len(tokens)) and len(tokens) < len(ids)
+
+
+def test_a_stop_string_before_min_tokens_does_not_end_the_request(tokenizer):
+    text = "END OF one two END OF three four"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    first = next(n for n in range(1, len(ids)) if "END OF" in tokenizer.decode(ids[:n]))
+    _, events, stopped = run(tokenizer, text, stop=["END OF"], min_tokens=first + 1)
+    tokens, streamed_text = streamed(events)
+    assert stopped == ["r1"]  # by the second one
+    assert streamed_text == "END OF one two "
+    assert len(tokens) > first + 1 and events[-1] == StreamFinished(Finish.STOP, len(tokens))
 
 
 def test_an_error_follows_the_tokens_sent_before_it(tokenizer):

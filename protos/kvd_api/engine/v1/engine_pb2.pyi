@@ -239,7 +239,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "dtype", "block_size", "max_context", "attention_backend", "vocab_size", "eos_token_ids", "device", "cache_id", "model_type", "draining", "default_sampling")
+    __slots__ = ("model", "dtype", "block_size", "max_context", "attention_backend", "vocab_size", "eos_token_ids", "device", "cache_id", "model_type", "draining", "default_sampling", "hub_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +252,7 @@ class InfoResponse(_message.Message):
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    HUB_ID_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     block_size: int
@@ -264,7 +265,8 @@ class InfoResponse(_message.Message):
     model_type: str
     draining: bool
     default_sampling: SamplingParams
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_context: _Optional[int] = ..., attention_backend: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., cache_id: _Optional[str] = ..., model_type: _Optional[str] = ..., draining: _Optional[bool] = ..., default_sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    hub_id: str
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_context: _Optional[int] = ..., attention_backend: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., cache_id: _Optional[str] = ..., model_type: _Optional[str] = ..., draining: _Optional[bool] = ..., default_sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., hub_id: _Optional[str] = ...) -> None: ...
 
 class BlockEventsRequest(_message.Message):
     __slots__ = ()

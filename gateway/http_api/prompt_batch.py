@@ -1,0 +1,81 @@
+"""The prompts of one ``/v1/completions`` request, run at once through the request path.
+
+Each prompt is a generation of its own (its own engine request, routed by
+its own blocks); their messages come back interleaved, each tagged with its
+prompt's index. At most ``width`` run at once: the tenant's free request
+slots (``--max-concurrent-requests``), else ``MAX_WIDTH``, so a batch is not
+refused for exceeding its tenant's limit by its own size. All of them share
+the HTTP request's call: when it ends (its client left, or one prompt
+failed), every engine request of the batch is cancelled.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
+
+from gateway.http_api.threads import HttpCall
+from kvd_api.gateway.v1 import gateway_pb2 as pb
+
+#: Prompts of one request run at once when the tenant has no limit.
+MAX_WIDTH = 16
+
+_DONE = object()
+
+
+class Indexed(NamedTuple):
+    """One message of prompt ``index``'s generation."""
+
+    index: int
+    message: pb.GenerateResponse
+
+
+def batch_messages(
+    run: Callable[[pb.GenerateRequest], Iterator[pb.GenerateResponse]],
+    requests: Sequence[pb.GenerateRequest],
+    width: int,
+    call: HttpCall,
+) -> Iterator[Indexed]:
+    """The messages of ``run(request)`` for every request, as they come; the first error is raised.
+
+    Args:
+        run: one prompt's generation (the request path's ``generate``).
+        width: how many run at once (>= 1).
+        call: the HTTP request's call; ended here when the batch fails or is left early.
+    """
+    if len(requests) == 1:  # no threads for the common case
+        for message in run(requests[0]):
+            yield Indexed(0, message)
+        return
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    def one(index: int, request: pb.GenerateRequest) -> None:
+        try:
+            if call.is_active():
+                for message in run(request):
+                    inbox.put((index, message))
+        except BaseException as exc:  # raised by the reader
+            inbox.put((index, exc))
+        finally:
+            inbox.put((index, _DONE))
+
+    pool = ThreadPoolExecutor(max(1, min(width, len(requests))), thread_name_prefix="gateway-http-batch")
+    running = len(requests)
+    try:
+        for index, request in enumerate(requests):
+            pool.submit(one, index, request)
+        while running:
+            index, item = inbox.get()
+            if item is _DONE:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield Indexed(index, item)
+    finally:
+        # A failure or a reader gone: the other prompts' engine requests stop now.
+        if running:
+            call.end()
+        pool.shutdown(wait=False, cancel_futures=True)
