@@ -215,6 +215,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                     timed[variant][clients] += got
                     progress.advance(len(batch))
         progress.done()
+        results_n = measure_n_forks(kvd, base_url, model, lambda: prompt(), new_tokens)
         field = None if args.no_field_client else run_field_client(args, base_url, model, model_dir, prompt_len,
                                                                    new_tokens)  # fmt: skip
     results: dict[str, Any] = {
@@ -244,12 +245,46 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "grpc": "gateway.client Generate, a thread per client",
         "http": "openai AsyncOpenAI completions, stream with include_usage, token-id prompt",
     }
+    results["n_forks"] = results_n
+    ratios["n8_over_separate"] = harness.ratio(results_n["n8_s"], results_n["separate8_s"])
+    workload["n_forks"] = ("one /v1/completions request with n = 8 against 8 concurrent requests of one prompt each "
+                           "(a fresh prompt each, sampled, seeded, EOS ignored); prefill_tokens: prompt tokens the "
+                           "daemon computed (looked up minus served by the cache)")  # fmt: skip
     if field is not None:
         workload["field_client"], results["field_client"] = field
     return {"workload": workload, "results": results, "ratios": ratios}
 
 
 FIELD_CONCURRENCY = 16
+FORKS = 8
+
+
+def measure_n_forks(kvd, base_url: str, model: str, prompt, new_tokens: int) -> dict[str, Any]:
+    """``n = 8`` in one request against 8 separate requests of the same prompt:
+    seconds and the prompt tokens the daemon computed for each."""
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=900)
+    args = {"model": model, "max_tokens": new_tokens, "temperature": 1, "seed": 1, "extra_body": {"ignore_eos": True}}
+
+    def computed(run) -> tuple[float, int]:
+        with kvd.client() as c:
+            before = c.stats()
+        start = time.perf_counter()
+        run()
+        seconds = time.perf_counter() - start
+        with kvd.client() as c:
+            after = c.stats()
+        return seconds, (after.query_tokens - before.query_tokens) - (after.hit_tokens - before.hit_tokens)
+
+    one = prompt()
+    n8_s, n8_prefill = computed(lambda: client.completions.create(prompt=one, n=FORKS, **args))
+    other = prompt()
+    with ThreadPoolExecutor(FORKS) as pool:
+        separate = lambda: list(pool.map(lambda _: client.completions.create(prompt=other, **args), range(FORKS)))  # noqa: E731
+        separate8_s, separate8_prefill = computed(separate)
+    return {"n8_s": n8_s, "separate8_s": separate8_s, "n8_prefill_tokens": n8_prefill,
+            "separate8_prefill_tokens": separate8_prefill, "prompt_tokens": len(one)}  # fmt: skip
 
 
 def run_field_client(args, base_url: str, model: str, model_dir: Path, prompt_len: int, new_tokens: int):
@@ -292,6 +327,11 @@ def table(results: dict[str, Any], ratios: dict[str, Any], levels: list[int]) ->
     headers = ["clients", "grpc ttft p50 s", "http ttft p50 s", "http/grpc", "grpc tok/s", "http tok/s",
                "http/grpc", "added ms/token", "errors"]  # fmt: skip
     out = harness.format_table(headers, rows)
+    forks = results.get("n_forks")
+    if forks:
+        out += (f"\n\nn = {FORKS} in one request: {forks['n8_s']:.2f} s, {forks['n8_prefill_tokens']} prompt tokens "
+                f"computed; {FORKS} separate requests: {forks['separate8_s']:.2f} s, "
+                f"{forks['separate8_prefill_tokens']} (prompt {forks['prompt_tokens']} tokens)")  # fmt: skip
     field = results.get("field_client", {}).get("kvd")
     if field:
         keys = ["completed", "failed", "request_throughput", "output_throughput", "mean_ttft_ms", "mean_tpot_ms"]

@@ -28,7 +28,7 @@ from gateway.http_api.errors import api_error
 from gateway.http_api.models import served_model
 from gateway.http_api.openai_schemas import Body, ChatCompletionRequest, CompletionRequest
 from gateway.http_api.openai_translate import Chunks, completion_body, completion_requests, generate_request
-from gateway.http_api.prompt_batch import MAX_WIDTH, Indexed, batch_messages
+from gateway.http_api.prompt_batch import MAX_WIDTH, Indexed, batch_messages, forked
 from gateway.http_api.threads import HttpCall
 from gateway.request_path import RequestPath, add_message
 from gateway.tenants import SCOPE_GENERATE
@@ -67,22 +67,24 @@ async def _complete(request: Request, body: ChatCompletionRequest | CompletionRe
     headers = ignored_fields_header(body)
     call = HttpCall()
     open_generation(state.open_calls, call)
-    choices = 1 if chat else len(body.prompts())
-    chunks = Chunks(chat, body.model or "", want_logprobs, body.include_usage(), requests.token_text, choices)
+    forks = body.forks()
+    choices = (1 if chat else len(body.prompts())) * forks
+    chunks = Chunks(chat, body.model or "", want_logprobs, body.include_usage(), requests.token_text, choices, forks)
 
     def messages() -> Iterator[Indexed]:
         model, info = served_model(state, key, body.model)
         chunks.model = model
         tenant = requests.authorize(key, SCOPE_GENERATE).tenant
-        gateway_requests = _gateway_requests(requests, body, info.default_sampling)
+        gateway_requests, leaders = forked(_gateway_requests(requests, body, info.default_sampling), forks)
         width = requests.free_slots(tenant) or MAX_WIDTH
-        yield from batch_messages(lambda r: requests.generate(tenant, r, call), gateway_requests, width, call)
+        run = lambda r: requests.generate(tenant, r, call)  # noqa: E731
+        yield from batch_messages(run, gateway_requests, width, call, leaders)
 
     if not body.stream:
 
         def whole_body() -> dict:
             replies = _merged(messages(), choices)
-            return completion_body(replies, chat, chunks.model, want_logprobs, requests.token_text)
+            return completion_body(replies, chat, chunks.model, want_logprobs, requests.token_text, forks)
 
         return JSONResponse(await whole(request, call, whole_body), headers=headers)
 

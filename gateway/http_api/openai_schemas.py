@@ -9,10 +9,10 @@ Every field either works, changes nothing (and is accepted), or is refused:
   ``add_generation_prompt``, ``continue_final_message``,
   ``chat_template_kwargs``, kvd's ``template``;
 - accepted, changing nothing (``_NO_OP`` lists the values that do): ``user``,
-  ``safety_identifier``, ``store``, ``metadata``, ``n``/``best_of`` of 1,
+  ``safety_identifier``, ``store``, ``metadata``, ``best_of`` of 1,
   ``tools`` empty... and ``null`` for any field;
 - refused with a 400 naming the field: a value of ``_NO_OP``'s fields that
-  would change the reply (``n`` > 1, ``echo``, tools, a JSON response
+  would change the reply (``best_of`` > 1, ``echo``, tools, a JSON response
   format...), as kvd would silently break its meaning;
 - any other field is ignored: ``ignored_fields`` names it (the route logs
   it once and lists it in the ``x-kvd-ignored-fields`` header), as vLLM
@@ -30,11 +30,12 @@ from kvd.common.field_error import FieldError
 
 #: A completions request's prompts at most (each one is a generation).
 MAX_PROMPTS = 1024
+#: Choices per prompt at most (``n``): each is a generation of its own.
+MAX_N = 128
 
 # field -> the value(s) that change nothing; anything else is refused. None
 # (null, or left out) is always one of them.
 _NO_OP: dict[str, tuple] = {
-    "n": (1,),
     "best_of": (1,),
     "echo": (False,),
     "suffix": ("",),
@@ -64,7 +65,6 @@ _NO_OP: dict[str, tuple] = {
     "documents": (),
 }
 _WHY = {
-    "n": "one choice per prompt (n > 1 is not supported yet)",
     "best_of": "one choice per prompt (best_of > 1 is not supported yet)",
     "echo": "echo is not supported yet",
     "prompt_logprobs": "prompt logprobs are not supported yet",
@@ -191,8 +191,8 @@ class Sampling(Body):
     service_tier: Any = None
     store: Any = None
     metadata: Any = None
+    n: int | None = Field(default=None, ge=1, le=MAX_N)  # choices per prompt: forks of one prefill
     # refused unless they change nothing (_NO_OP)
-    n: int | None = None
     best_of: int | None = None
     echo: bool | None = None
     prompt_logprobs: Any = None
@@ -223,6 +223,10 @@ class Sampling(Body):
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def forks(self) -> int:
+        """Choices per prompt (``n``)."""
+        return self.n or 1
 
     def include_usage(self) -> bool:
         return bool(self.stream_options is not None and self.stream_options.include_usage)

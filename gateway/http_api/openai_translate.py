@@ -162,11 +162,15 @@ def completion_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
 
 
-def summed_usage(usages: Sequence[pb.Usage]) -> pb.Usage:
-    """The usage of several prompts' generations: their counts summed, the latest first token."""
+def summed_usage(usages: Sequence[pb.Usage], forks: int = 1) -> pb.Usage:
+    """The usage of several generations, in choice order: completion tokens
+    summed over all; the prompt's counts once per prompt (its first fork's:
+    ``forks`` choices share each prompt, as OpenAI and vLLM count ``n``); the
+    latest first token."""
     total = pb.Usage()
-    for u in usages:
-        for field in _COUNTS:
+    for index, u in enumerate(usages):
+        fields = _COUNTS if index % forks == 0 else ("completion_tokens",)
+        for field in fields:
             setattr(total, field, getattr(total, field) + getattr(u, field))
         total.time_to_first_token_s = max(total.time_to_first_token_s, u.time_to_first_token_s)
     return total
@@ -176,7 +180,12 @@ _COUNTS = tuple(f.name for f in pb.Usage.DESCRIPTOR.fields if f.name != "time_to
 
 
 def completion_body(
-    replies: Sequence[pb.GenerateResponse], chat: bool, model: str, want_logprobs: bool, token_text: TokenText
+    replies: Sequence[pb.GenerateResponse],
+    chat: bool,
+    model: str,
+    want_logprobs: bool,
+    token_text: TokenText,
+    forks: int = 1,
 ) -> dict:
     """A whole completion (``stream`` false): one choice per reply, in order."""
     choices = []
@@ -194,7 +203,7 @@ def completion_body(
         "created": int(time.time()),
         "model": model,
         "choices": choices,
-        "usage": usage(summed_usage([r.usage for r in replies])),
+        "usage": usage(summed_usage([r.usage for r in replies], forks)),
     }
 
 
@@ -204,7 +213,14 @@ class Chunks:
     comes once every choice finished."""
 
     def __init__(
-        self, chat: bool, model: str, want_logprobs: bool, include_usage: bool, token_text: TokenText, choices: int = 1
+        self,
+        chat: bool,
+        model: str,
+        want_logprobs: bool,
+        include_usage: bool,
+        token_text: TokenText,
+        choices: int = 1,
+        forks: int = 1,
     ):
         self.chat = chat
         self.want_logprobs = want_logprobs
@@ -212,8 +228,9 @@ class Chunks:
         self.token_text = token_text
         self.model = model
         self._text_offsets = [0] * choices
-        self._usages: list[pb.Usage] = []
-        self._choices = choices
+        self._usages: list[pb.Usage | None] = [None] * choices  # each choice's, once it finished
+        self._finished = 0
+        self._forks = forks
         self._id = completion_id(chat)
         self._object = "chat.completion.chunk" if chat else "text_completion"
         self._created = int(time.time())
@@ -223,11 +240,11 @@ class Chunks:
         return {"id": self._id, "object": self._object, "created": self._created, "model": self.model}
 
     def first(self) -> list[dict]:
-        """A chat stream opens with the assistant's role."""
+        """A chat stream opens with the assistant's role (each choice's)."""
         if not self.chat:
             return []
-        return [self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None})]  # fmt: skip
+        return [self._chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}) for index in range(len(self._usages))]  # fmt: skip
 
     def of(self, message: pb.GenerateResponse, index: int = 0) -> list[dict]:
         """The chunks for one message of choice ``index``'s stream (its last one brings its usage)."""
@@ -249,9 +266,10 @@ class Chunks:
             else:
                 choice = {"index": index, "text": "", "logprobs": None, "finish_reason": finish}
             out.append(self._chunk(choice))
-            self._usages.append(message.usage)
-            if self.include_usage and len(self._usages) == self._choices:
-                out.append({**self._head, "choices": [], "usage": usage(summed_usage(self._usages))})
+            self._usages[index] = message.usage
+            self._finished += 1
+            if self.include_usage and self._finished == len(self._usages):
+                out.append({**self._head, "choices": [], "usage": usage(summed_usage(self._usages, self._forks))})
         return out
 
     def _chunk(self, choice: dict) -> dict:

@@ -67,7 +67,7 @@ SAMPLING = {
     "seed": st.integers(-(2**63), 2**64 - 1),
     "stop": st.one_of(TEXT, st.lists(TEXT, max_size=4)),
     "user": TEXT,
-    "n": st.just(1),
+    "n": st.integers(1, 3),
     "template": NAMES,
     "prompt_cache_key": TEXT,
     "ignore_eos": st.booleans(),

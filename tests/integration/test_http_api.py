@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import shutil
 import subprocess
 import tempfile
@@ -254,7 +255,7 @@ def test_errors_raise_the_clients_classes(stack, client, model_name):
     reader = openai.OpenAI(base_url=stack[2], api_key="reader-key", max_retries=0)
     with pytest.raises(openai.PermissionDeniedError, match="templates:write"):
         reader.post("/templates", body={"name": "mine", "content": "x"}, cast_to=httpx.Response)
-    refused = {"n": 2, "tools": [{"type": "function", "function": {"name": "f"}}], "frequency_penalty": 2.5,
+    refused = {"n": 0, "tools": [{"type": "function", "function": {"name": "f"}}], "frequency_penalty": 2.5,
                "response_format": {"type": "json_object"}, "temperature": 3, "max_tokens": 0}  # fmt: skip
     for param, value in refused.items():
         with pytest.raises(openai.BadRequestError) as info:
@@ -470,3 +471,31 @@ def test_served_model_names_replace_the_folders_name(small_stack):
     assert reply.model == "org/strict" and reply.usage.completion_tokens == 2
     with pytest.raises(openai.NotFoundError):
         small_stack.chat.completions.create(model="strict-smollm2", messages=[{"role": "user", "content": "Hi"}])
+
+
+def test_n_choices_are_forks_of_one_prefill(stack, client, model_name, tokenizer):
+    """n = 4 on a fresh 100-token prompt computes it once: the forks find its
+    6 full blocks and recompute only its last 4 tokens. Greedy forks are
+    identical; seeded sampled forks differ and repeat with the seed."""
+    daemon = stack[0]
+    rng = random.Random(34)
+    prompt = [rng.randrange(100, 40000) for _ in range(100)]  # no other test's blocks
+
+    def computed_prompt_tokens(**kwargs):
+        with daemon.client() as c:
+            before = c.stats()
+        reply = client.completions.create(model=model_name, prompt=prompt, n=4, max_tokens=6,
+                                          extra_body={"ignore_eos": True}, **kwargs)  # fmt: skip
+        with daemon.client() as c:
+            after = c.stats()
+        return reply, (after.query_tokens - before.query_tokens) - (after.hit_tokens - before.hit_tokens)
+
+    greedy, computed = computed_prompt_tokens(temperature=0)
+    assert [c.index for c in greedy.choices] == [0, 1, 2, 3]
+    assert len({c.text for c in greedy.choices}) == 1
+    assert computed == 100 + 3 * 4, computed
+    assert greedy.usage.prompt_tokens == 100 and greedy.usage.completion_tokens == 24
+    sampled, _ = computed_prompt_tokens(temperature=1, seed=5)
+    again, _ = computed_prompt_tokens(temperature=1, seed=5)
+    assert len({c.text for c in sampled.choices}) > 1
+    assert [c.text for c in sampled.choices] == [c.text for c in again.choices]

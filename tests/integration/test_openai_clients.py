@@ -231,4 +231,5 @@ def test_an_unknown_field_is_ignored_and_named_in_a_header(client, served_name):
 def test_models_have_what_vllm_bench_serve_reads(client, served_name):
     (model,) = client.models.list().data
     assert model.id == HF_ID == served_name  # the first --served-model-name
-    assert model.owned_by and model.model_extra["root"], model
+    # vllm bench serve loads its tokenizer by `root`: the Hugging Face id the engine knows.
+    assert model.owned_by and model.model_extra["root"] == HF_ID and model.model_extra["parent"] is None, model

@@ -26,7 +26,8 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
 
 @pytest.mark.parametrize(
     "field, value",
-    [("n", 2), ("tools", [{"type": "function"}]), ("frequency_penalty", 2.5), ("presence_penalty", -3),
+    [("n", 129), ("best_of", 2), ("tools", [{"type": "function"}]), ("frequency_penalty", 2.5),
+     ("presence_penalty", -3),
      ("response_format", {"type": "json_object"}), ("logit_bias", {"a": 5}), ("tool_choice", "auto"),
      ("echo", True), ("prompt_logprobs", 1), ("guided_json", {}), ("skip_special_tokens", False),
      ("temperature", 2.5), ("top_logprobs", 21), ("max_tokens", 0), ("min_p", 1.5), ("chat_template", "x")],

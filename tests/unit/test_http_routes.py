@@ -236,7 +236,7 @@ def test_past_the_open_generations_limit_a_request_is_429_at_once(send, path, op
 
 @pytest.mark.parametrize(
     "field, value, param",
-    [("n", 2, "n"), ("tools", [{"type": "function"}], "tools"), ("echo", True, "echo"),
+    [("n", 0, "n"), ("tools", [{"type": "function"}], "tools"), ("echo", True, "echo"),
      ("temperature", 3, "temperature"), ("stream_options", {"include_usage": True}, "stream_options"),
      ("response_format", {"type": "json_object"}, "response_format"), ("logit_bias", {"x": 1}, "logit_bias"),
      ("messages", [{"role": "tool", "content": "42", "tool_call_id": "c"}], "messages"),
@@ -386,6 +386,33 @@ def test_a_list_of_prompts_is_one_choice_each_in_order_with_the_usage_summed(sen
     finishes = [e["choices"][0]["index"] for e in sent[:-2] if e["choices"][0]["finish_reason"]]
     assert sorted(finishes) == [0, 1, 2]
     assert sent[-2]["choices"] == [] and sent[-2]["usage"]["completion_tokens"] == 6 and sent[-1] == "[DONE]"
+
+
+def test_n_choices_per_prompt_are_forks_started_after_their_leaders_first_message(send, path):
+    started: list[tuple[str, int]] = []  # (prompt, seed) as each generation starts
+    generate = path.generate
+
+    def recorded(tenant, request, call):
+        started.append((request.text, request.sampling.seed))
+        yield from generate(tenant, request, call)
+
+    path.generate = recorded
+    body = {"model": "m", "prompt": ["one", "two"], "n": 3, "seed": 7, "max_tokens": 2}
+    reply = send("POST", "/v1/completions", json=body, headers=AUTH).json()
+    assert [c["index"] for c in reply["choices"]] == list(range(6))
+    # completion tokens of every choice; the prompt's counts once per prompt (as OpenAI counts n)
+    assert reply["usage"]["completion_tokens"] == 12 and reply["usage"]["prompt_tokens"] == 6
+    assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 2
+    assert sorted(started) == sorted((p, 7 + i) for p in ("one", "two") for i in range(3))
+    for prompt in ("one", "two"):  # each prompt's leader (seed 7) starts before its forks
+        assert [seed for text, seed in started if text == prompt][0] == 7
+    chat = send("POST", "/v1/chat/completions", json={**CHAT, "n": 2, "stream": True}, headers=AUTH)
+    sent = events(chat)
+    roles = [e["choices"][0]["index"] for e in sent[:-1] if e["choices"][0]["delta"].get("role")]
+    finishes = [e["choices"][0]["index"] for e in sent[:-1] if e["choices"][0]["finish_reason"]]
+    assert roles == [0, 1] and sorted(finishes) == [0, 1]
+    too_many = send("POST", "/v1/completions", json={**body, "n": 1000}, headers=AUTH)
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
 
 
 def test_a_failing_prompt_of_a_list_fails_the_request(send, path):
