@@ -14,6 +14,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -342,10 +343,12 @@ def test_health_and_reflection(gateway):
 
 
 def test_an_expired_template_is_gone_and_unpinned(acme, replica):
-    pins = daemon_stats(replica).num_pins
     assert acme.create_template("short-lived", SUPPORT, ttl_seconds=2).cached_token_count > 0  # pinned
-    assert wait_for(lambda: daemon_stats(replica).num_pins == pins, 10), "the expired template stayed pinned"
-    assert status_of(lambda: acme.get_template("short-lived"))[0] == grpc.StatusCode.NOT_FOUND
+    pinned = daemon_stats(replica).num_pins
+    # NOTE: expired first, then unpinned: a pin count compared with one read
+    # before the create could also drop when another test's pin goes.
+    assert wait_for(lambda: _missing(lambda: acme.get_template("short-lived")), 10), "the template did not expire"
+    assert wait_for(lambda: daemon_stats(replica).num_pins <= pinned - 1, 10), "the expired template stayed pinned"
     assert status_of(lambda: acme.complete("x", template="short-lived"))[0] == grpc.StatusCode.NOT_FOUND
     assert "short-lived" not in [t.name for t in acme.list_templates()]
 
@@ -568,3 +571,12 @@ def test_concurrent_templated_requests(acme):
         assert results[2] == completion(acme, " Question 2: what do you sell?", template="concurrent")[0]
     finally:
         acme.delete_template("concurrent")
+
+
+def _missing(call: Callable[[], object]) -> bool:
+    """Whether ``call`` fails with NOT_FOUND (False while it still succeeds)."""
+    try:
+        call()
+    except grpc.RpcError as err:
+        return err.code() == grpc.StatusCode.NOT_FOUND
+    return False
