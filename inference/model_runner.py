@@ -212,9 +212,12 @@ class ModelRunner:
             return None, None
         bs = self.block_size
         shortest = min(context_lens[i] for i in decodes)
-        prefix = 0  # leading blocks every decode shares, fully inside each one's context
+        # Leading blocks every decode shares, before each one's last position:
+        # a decode's own part is never empty, even where the cache gave
+        # identical sequences (greedy forks) the same full blocks.
+        prefix = 0
         first = tables[decodes[0]]
-        while (prefix + 1) * bs <= shortest and all(tables[i][prefix] == first[prefix] for i in decodes):
+        while (prefix + 1) * bs < shortest and all(tables[i][prefix] == first[prefix] for i in decodes):
             prefix += 1
         own = [context_lens[i] - prefix * bs for i in decodes]
         width = -(-max(own) // bs)  # own blocks of the longest
