@@ -182,6 +182,7 @@ class Sampling(Body):
     ignore_eos: bool | None = None
     include_stop_str_in_output: bool | None = None
     prompt_cache_key: str | None = None
+    n: int | None = Field(default=None, ge=1, le=MAX_N)  # choices per prompt: forks of one prefill
     # kvd's own
     template: str | None = None
     # accepted, changing nothing
@@ -191,7 +192,6 @@ class Sampling(Body):
     service_tier: Any = None
     store: Any = None
     metadata: Any = None
-    n: int | None = Field(default=None, ge=1, le=MAX_N)  # choices per prompt: forks of one prefill
     # refused unless they change nothing (_NO_OP)
     best_of: int | None = None
     echo: bool | None = None
