@@ -216,6 +216,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                     progress.advance(len(batch))
         progress.done()
         results_n = measure_n_forks(kvd, base_url, model, lambda: prompt(), new_tokens)
+        results_ll = measure_loglikelihood(kvd, base_url, model, lambda: prompt())
         field = None if args.no_field_client else run_field_client(args, base_url, model, model_dir, prompt_len,
                                                                    new_tokens)  # fmt: skip
     results: dict[str, Any] = {
@@ -250,6 +251,14 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     workload["n_forks"] = ("one /v1/completions request with n = 8 against 8 concurrent requests of one prompt each "
                            "(a fresh prompt each, sampled, seeded, EOS ignored); prefill_tokens: prompt tokens the "
                            "daemon computed (looked up minus served by the cache)")  # fmt: skip
+    results["loglikelihood"] = results_ll
+    ratios["loglikelihood_shared_over_separate"] = harness.ratio(
+        results_ll["one_context_4_choices_s"], results_ll["separate_4_s"]
+    )
+    workload["loglikelihood"] = (f"lm-eval's loglikelihood request (token ids, echo, logprobs 1, max_tokens 1): one "
+                                 f"context of {CONTEXT_PROMPTS} prompts with {CHOICES} choices of {CHOICE_TOKENS} "
+                                 f"tokens in one /v1/completions request against {CHOICES} concurrent requests of one "
+                                 "choice each (a fresh context each); prefill_tokens as for n_forks")  # fmt: skip
     if field is not None:
         workload["field_client"], results["field_client"] = field
     return {"workload": workload, "results": results, "ratios": ratios}
@@ -257,6 +266,18 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
 FIELD_CONCURRENCY = 16
 FORKS = 8
+
+
+def computed(kvd, run) -> tuple[float, int]:
+    """Runs ``run``: its seconds, and the prompt tokens the daemon computed meanwhile (looked up less served)."""
+    with kvd.client() as c:
+        before = c.stats()
+    start = time.perf_counter()
+    run()
+    seconds = time.perf_counter() - start
+    with kvd.client() as c:
+        after = c.stats()
+    return seconds, (after.query_tokens - before.query_tokens) - (after.hit_tokens - before.hit_tokens)
 
 
 def measure_n_forks(kvd, base_url: str, model: str, prompt, new_tokens: int) -> dict[str, Any]:
@@ -267,24 +288,43 @@ def measure_n_forks(kvd, base_url: str, model: str, prompt, new_tokens: int) -> 
     client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=900)
     args = {"model": model, "max_tokens": new_tokens, "temperature": 1, "seed": 1, "extra_body": {"ignore_eos": True}}
 
-    def computed(run) -> tuple[float, int]:
-        with kvd.client() as c:
-            before = c.stats()
-        start = time.perf_counter()
-        run()
-        seconds = time.perf_counter() - start
-        with kvd.client() as c:
-            after = c.stats()
-        return seconds, (after.query_tokens - before.query_tokens) - (after.hit_tokens - before.hit_tokens)
-
     one = prompt()
-    n8_s, n8_prefill = computed(lambda: client.completions.create(prompt=one, n=FORKS, **args))
+    n8_s, n8_prefill = computed(kvd, lambda: client.completions.create(prompt=one, n=FORKS, **args))
     other = prompt()
     with ThreadPoolExecutor(FORKS) as pool:
         separate = lambda: list(pool.map(lambda _: client.completions.create(prompt=other, **args), range(FORKS)))  # noqa: E731
-        separate8_s, separate8_prefill = computed(separate)
+        separate8_s, separate8_prefill = computed(kvd, separate)
     return {"n8_s": n8_s, "separate8_s": separate8_s, "n8_prefill_tokens": n8_prefill,
             "separate8_prefill_tokens": separate8_prefill, "prompt_tokens": len(one)}  # fmt: skip
+
+
+CHOICES = 4
+CHOICE_TOKENS = 8
+CONTEXT_PROMPTS = 4  # a context as long as this many of the workload's prompts
+
+
+def measure_loglikelihood(kvd, base_url: str, model: str, prompt) -> dict[str, Any]:
+    """An lm-eval-style loglikelihood batch (one context, 4 choices) in one
+    request against 4 separate requests: seconds and the prompt tokens the
+    daemon computed for each (a scored position is computed, never cached)."""
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=900)
+    args = {"model": model, "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True}
+
+    def choices() -> list[list[int]]:
+        context = [t for _ in range(CONTEXT_PROMPTS) for t in prompt()]
+        return [context + prompt()[:CHOICE_TOKENS] for _ in range(CHOICES)]
+
+    together = choices()
+    shared_s, shared_prefill = computed(kvd, lambda: client.completions.create(prompt=together, **args))
+    apart = choices()
+    with ThreadPoolExecutor(CHOICES) as pool:
+        separate = lambda: list(pool.map(lambda p: client.completions.create(prompt=p, **args), apart))  # noqa: E731
+        separate_s, separate_prefill = computed(kvd, separate)
+    return {"one_context_4_choices_s": shared_s, "separate_4_s": separate_s,
+            "one_context_4_choices_prefill_tokens": shared_prefill, "separate_4_prefill_tokens": separate_prefill,
+            "prompt_tokens": len(together[0])}  # fmt: skip
 
 
 def run_field_client(args, base_url: str, model: str, model_dir: Path, prompt_len: int, new_tokens: int):
@@ -332,6 +372,12 @@ def table(results: dict[str, Any], ratios: dict[str, Any], levels: list[int]) ->
         out += (f"\n\nn = {FORKS} in one request: {forks['n8_s']:.2f} s, {forks['n8_prefill_tokens']} prompt tokens "
                 f"computed; {FORKS} separate requests: {forks['separate8_s']:.2f} s, "
                 f"{forks['separate8_prefill_tokens']} (prompt {forks['prompt_tokens']} tokens)")  # fmt: skip
+    ll = results.get("loglikelihood")
+    if ll:
+        out += (f"\nloglikelihood, 1 context and {CHOICES} choices in one request: "
+                f"{ll['one_context_4_choices_s']:.2f} s, {ll['one_context_4_choices_prefill_tokens']} prompt tokens "
+                f"computed; {CHOICES} separate requests: {ll['separate_4_s']:.2f} s, "
+                f"{ll['separate_4_prefill_tokens']} (prompt {ll['prompt_tokens']} tokens)")  # fmt: skip
     field = results.get("field_client", {}).get("kvd")
     if field:
         keys = ["completed", "failed", "request_throughput", "output_throughput", "mean_ttft_ms", "mean_tpot_ms"]

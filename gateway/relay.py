@@ -191,6 +191,8 @@ def gateway_response(message: epb.GenerateResponse, template_tokens: int) -> pb.
         finish_reason=message.finish_reason,
         top_logprobs=message.top_logprobs,
     )
+    if message.HasField("prompt_logprobs"):
+        out.prompt_logprobs.CopyFrom(message.prompt_logprobs)
     if message.HasField("usage"):
         u = message.usage
         out.usage.CopyFrom(

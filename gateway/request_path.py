@@ -281,6 +281,8 @@ def add_message(whole: pb.GenerateResponse, message: pb.GenerateResponse) -> Non
     whole.text += message.text
     whole.logprobs.extend(message.logprobs)
     whole.top_logprobs.extend(message.top_logprobs)
+    if message.HasField("prompt_logprobs"):
+        whole.prompt_logprobs.CopyFrom(message.prompt_logprobs)
     if message.HasField("usage"):
         whole.finish_reason = message.finish_reason
         whole.usage.CopyFrom(message.usage)

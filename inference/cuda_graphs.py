@@ -173,6 +173,8 @@ class StepGraphs:
         """The first bucket the step fits (None: it runs eagerly)."""
         tokens = longest_query = longest_seq = 0
         for chunk in chunks:
+            if chunk.num_prompt_logits:
+                return None  # a bucket's logits are one row per sequence
             queries = len(chunk.token_ids)
             tokens += queries
             longest_query = max(longest_query, queries)

@@ -46,7 +46,7 @@ from inference.cuda_graphs import CudaGraphCapture, EagerStandIn, GraphPlan, cap
 from inference.load import LoadBoard, LoadReport, PrefillRate
 from inference.model_runner import NO_MARK, ForwardMark, ModelRunner
 from inference.requests import Finish, RequestTable, Sequence, Work
-from inference.sampling import Sampler, make_generator
+from inference.sampling import Sampler, make_generator, score_tokens
 from inference.step_inputs import Chunk
 from inference.streams import SampledToken, StreamWriter, TopLogprobs
 from kvd.common.client import DaemonSession, LeaseLapsed
@@ -284,7 +284,8 @@ class Engine:
             block_table=seq.block_table,
             request_id=seq.request_id,  # its block-table row persists while it runs
             write_from=max(w.first, w.num_cached_tokens),
-            wants_logits=w.end == num_tokens and not seq.prefill_only,
+            wants_logits=w.end == num_tokens and seq.samples,
+            prompt_logits=seq.prompt_logit_positions(w.first, w.end),
         )
 
     def _read_results(self, forward: Forward) -> None:
@@ -295,9 +296,12 @@ class Engine:
             self.requests.computed(seq, w.end)
             if chunk.wants_logits:
                 sampling.append(seq)
-            elif seq.prefill_only and w.end == seq.num_tokens and not seq.is_finished:
-                seq.finish = Finish.LENGTH  # a warm-up whose prompt is now in the cache
+            elif not seq.samples and w.end == seq.num_tokens and not seq.is_finished:
+                seq.finish = Finish.LENGTH  # a warm-up (or a prompt scored) whose prompt is now in the cache
                 self._finished(seq)
+        logits = forward.logits
+        if any(chunk.num_prompt_logits for chunk in forward.chunks):
+            logits = self._score_prompts(forward)
         if not sampling:
             # Reading sampled tokens waits for the forward; without any, it is
             # waited for before the next Step (which commits these blocks), once
@@ -306,9 +310,7 @@ class Engine:
             return
         # NOTE: the sequences themselves are the histories: the processors read
         # a row's prompt and output ids only when its params use them.
-        sampled = self.sampler.sample(
-            forward.logits, [s.params for s in sampling], [s.generator for s in sampling], sampling
-        )
+        sampled = self.sampler.sample(logits, [s.params for s in sampling], [s.generator for s in sampling], sampling)
         self._observe_rate(forward)  # reading the sampled tokens waited for the forward
         batch: list[SampledToken] = []
         for i, seq in enumerate(sampling):
@@ -316,6 +318,29 @@ class Engine:
                 continue
             batch.append(self._append_token(seq, sampled.tokens[i], sampled.logprobs[i], sampled.top[i]))
         self.streams.tokens(batch)
+
+    def _score_prompts(self, forward: Forward) -> torch.Tensor:
+        """Scores the prompt tokens of the forward's prompt-logit rows, hands
+        each prompt scored in full to its stream, and returns the sampling
+        rows' logits (each chunk's rows: its prompt's, then its last one's)."""
+        sampling_rows: list[int] = []
+        row = 0
+        for w, chunk in zip(forward.work, forward.chunks, strict=True):
+            seq, (start, stop) = w.seq, chunk.prompt_logits
+            if stop > start:
+                scored = score_tokens(
+                    forward.logits[row : row + stop - start], seq.prompt_ids[start + 1 : stop + 1],
+                    seq.params.prompt_top_logprobs,
+                )  # fmt: skip
+                seq.prompt_logprobs.extend(scored.logprobs)
+                seq.prompt_top.extend(scored.top or ())
+                row += stop - start
+                if seq.prompt_scored and seq.finish in (None, Finish.LENGTH):  # not cancelled meanwhile
+                    self.streams.prompt_logprobs(seq)
+            if chunk.wants_logits:
+                sampling_rows.append(row)
+                row += 1
+        return forward.logits[sampling_rows]
 
     def _wait_unwaited(self) -> None:
         """Waits for a forward read without waiting (see the module's docstring)."""
@@ -379,6 +404,8 @@ class Engine:
                 case _Add(seq):
                     seq.generator = make_generator(seq.params.seed)
                     self.requests.add(seq)
+                    if seq.params.prompt_logprobs and seq.prompt_scored:  # nothing to score: its scores are empty
+                        self.streams.prompt_logprobs(seq)
                 case _HandBack(reason, everything):
                     self._hand_back(reason, everything)
                 case _Cancel(request_id, finish):

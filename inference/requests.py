@@ -62,7 +62,9 @@ class Sequence:
             its Step replies gave them (empty while it waits).
         priority: smaller runs first (the daemon orders by it, then arrival).
         num_cached_prompt: prompt tokens served from the cache at admission.
-        prefill_only: a warm-up: stop once the prompt is in the cache.
+        prompt_logprobs: the prompt's scored tokens so far (``params.prompt_logprobs``),
+            from position ``params.prompt_logprobs_from`` on.
+        prompt_top: their most likely tokens, when asked for.
         events: what the gRPC handler streams out (``inference.streams``):
             ``StreamTokens``, then one ``StreamFinished`` or ``StreamError``.
     """
@@ -71,7 +73,6 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     cache_salt: bytes = b""
-    prefill_only: bool = False
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     priority: int = 0
@@ -88,6 +89,8 @@ class Sequence:
     arrival_s: float = field(default_factory=time.monotonic)
     first_token_s: float | None = None
     events: queue.SimpleQueue[StreamEvent] = field(default_factory=queue.SimpleQueue)
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top: list[tuple[list[int], list[float]]] = field(default_factory=list)
 
     @property
     def all_ids(self) -> list[int]:
@@ -100,6 +103,27 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.finish is not None
+
+    @property
+    def samples(self) -> bool:
+        """It generates tokens (max_new_tokens 0: the prompt only, a warm-up or its logprobs)."""
+        return self.params.max_new_tokens > 0
+
+    def prompt_logit_positions(self, first: int, end: int) -> tuple[int, int]:
+        """The positions of [first, end) whose logits score prompt tokens not
+        scored yet (a preempted sequence recomputes some), as [start, stop)."""
+        p = self.params
+        if not p.prompt_logprobs:
+            return (0, 0)
+        start = max(first, p.prompt_logprobs_from - 1 + len(self.prompt_logprobs))
+        stop = min(end, len(self.prompt_ids) - 1)  # the last position's logits pick the first new token
+        return (start, stop) if start < stop else (0, 0)
+
+    @property
+    def prompt_scored(self) -> bool:
+        """Every prompt token it asked logprobs for has them."""
+        p = self.params
+        return len(self.prompt_logprobs) >= len(self.prompt_ids) - p.prompt_logprobs_from
 
 
 @dataclass(slots=True)
@@ -208,13 +232,15 @@ class RequestTable:
             sent_tokens += len(seq.prompt_ids)
             del self._unsent[seq.request_id]
             self._arriving.append(seq)
-            msg.new_requests.add(
+            new = msg.new_requests.add(
                 request_id=seq.request_id,
                 prompt_token_ids=seq.prompt_ids,
                 cache_salt=seq.cache_salt,
                 priority=seq.priority,
-                max_new_tokens=0 if seq.prefill_only else seq.params.max_new_tokens,
+                max_new_tokens=seq.params.max_new_tokens,
             )
+            if seq.params.prompt_logprobs:  # the positions scored are computed, not served by the cache
+                new.max_cached_tokens = seq.params.prompt_logprobs_from - 1
         if self._commits:
             c = msg.commits
             ids = list(self._commits)

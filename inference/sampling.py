@@ -8,6 +8,7 @@ import math
 import secrets
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -50,6 +51,13 @@ class SamplingParams:
             this many tokens (EOS and stop token ids are masked until then).
         include_stop_str_in_output: keep the stop string that ended the
             output in its text.
+        prompt_logprobs: score the prompt: each prompt token's logprob
+            given the tokens before it, from position ``prompt_logprobs_from``
+            on (the cache serves only the blocks before it).
+        prompt_top_logprobs: also this many most likely tokens (0-20) at
+            each scored position.
+        prompt_logprobs_from: the first prompt position scored (>= 1: the
+            first token has no logprob).
 
     The processors (logit_bias, the min_tokens mask, the penalties) change
     greedy choices too; logprobs stay those of the model's own distribution.
@@ -72,6 +80,9 @@ class SamplingParams:
     logit_bias: Mapping[int, float] = field(default_factory=dict, hash=False)
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    prompt_logprobs: bool = False
+    prompt_top_logprobs: int = 0
+    prompt_logprobs_from: int = 1
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -80,11 +91,14 @@ class SamplingParams:
             raise FieldError("top_k", f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise FieldError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
-        if self.max_new_tokens < 1:
-            raise FieldError("max_new_tokens", f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+        if self.max_new_tokens < 0:
+            raise FieldError("max_new_tokens", f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        for name in ("top_logprobs", "prompt_top_logprobs"):
+            if not 0 <= (value := getattr(self, name)) <= MAX_TOP_LOGPROBS:
+                raise FieldError(name, f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
+        if self.prompt_logprobs_from < 1:
             raise FieldError(
-                "top_logprobs", f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
+                "prompt_logprobs_from", f"prompt_logprobs_from must be >= 1, got {self.prompt_logprobs_from}"
             )
         if any(not s for s in self.stop):
             raise FieldError("stop", "stop must not contain an empty string")
@@ -146,6 +160,33 @@ class Sampled:
     tokens: list[int]
     logprobs: list[float]
     top: list[tuple[list[int], list[float]] | None]  # (token ids, logprobs) when asked for
+
+
+class Scored(NamedTuple):
+    """Prompt tokens' logprobs, position by position."""
+
+    logprobs: list[float]
+    top: list[tuple[list[int], list[float]]] | None  # (token ids, logprobs) per position, when asked for
+
+
+def score_tokens(logits: torch.Tensor, targets: Sequence[int], top_logprobs: int) -> Scored:
+    """Each target's logprob under its row of ``logits`` (row i predicts
+    target i), and the ``top_logprobs`` most likely tokens of each row, with
+    one transfer to the host. The values are the same log-softmax a sampled
+    token's logprob comes from, so a target that is its row's most likely
+    token has exactly the top entry's logprob."""
+    logprobs = torch.log_softmax(logits if logits.dtype == torch.float64 else logits.float(), dim=-1)
+    index = torch.tensor(targets, dtype=torch.long).to(logits.device, non_blocking=True)
+    columns = [logprobs.gather(1, index[:, None])]
+    if top_logprobs:
+        values, ids = torch.topk(logprobs, top_logprobs)
+        columns += [ids.to(logprobs.dtype), values]
+    host = torch.cat(columns, dim=1).cpu().tolist()
+    chosen = [row[0] for row in host]
+    if not top_logprobs:
+        return Scored(chosen, None)
+    k = top_logprobs
+    return Scored(chosen, [([int(i) for i in row[1 : 1 + k]], row[1 + k :]) for row in host])
 
 
 class Sampler:

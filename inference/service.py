@@ -16,7 +16,7 @@ import grpc
 from inference.engine import Engine, EngineUnavailable
 from inference.requests import Finish, Sequence
 from inference.sampling import SamplingParams
-from inference.streams import StreamError, StreamFinished, StreamTokens
+from inference.streams import StreamError, StreamFinished, StreamPromptLogprobs, StreamTokens
 from kvd.common.client import DaemonClient
 from kvd.common.field_error import FieldError
 from kvd.common.grpc_server import CallLimit, OpenCalls, Server, StatusTable
@@ -108,6 +108,14 @@ class EngineService(pb_grpc.EngineServicer):
         context.add_callback(lambda: self.engine.cancel(seq.request_id))
         while True:
             match seq.events.get():
+                case StreamPromptLogprobs(first, logprobs, top):
+                    yield pb.GenerateResponse(
+                        request_id=response_id,
+                        prompt_logprobs=pb.PromptLogprobs(
+                            token_ids=seq.prompt_ids, first_position=first, logprobs=logprobs,
+                            top_logprobs=[pb.TopLogprobs(token_ids=ids, logprobs=lps) for ids, lps in top],
+                        ),
+                    )  # fmt: skip
                 case StreamTokens(token_ids, logprobs, text, top):
                     yield pb.GenerateResponse(
                         request_id=response_id,
@@ -145,9 +153,7 @@ class EngineService(pb_grpc.EngineServicer):
     def Warm(self, request, context):
         prompt = self._checked_ids(list(request.token_ids), "token_ids")
         self._check_fits(len(prompt), 0)
-        seq = Sequence(
-            uuid.uuid4().hex, prompt, SamplingParams(max_new_tokens=1), request.cache_salt, prefill_only=True
-        )
+        seq = Sequence(uuid.uuid4().hex, prompt, SamplingParams(max_new_tokens=0), request.cache_salt)
         for _ in self._stream(seq, seq.request_id, context):
             pass
         daemon = self._daemon()
@@ -358,6 +364,9 @@ def _sampling_params(msg: pb.SamplingParams, default_max_new_tokens: int) -> Sam
         logit_bias=dict(msg.logit_bias),
         min_tokens=msg.min_tokens,
         include_stop_str_in_output=msg.include_stop_str_in_output,
+        prompt_logprobs=msg.prompt_logprobs,
+        prompt_top_logprobs=msg.prompt_top_logprobs,
+        prompt_logprobs_from=msg.prompt_logprobs_from or 1,
     )
 
 

@@ -32,9 +32,13 @@ class Chunk:
         write_from: positions below this are already in cached blocks and
             are read, not rewritten (the recomputed last token of a fully
             cached prompt).
-        wants_logits: the chunk ends at the sequence's last known token.
+        wants_logits: the chunk ends at the sequence's last known token,
+            whose logits pick its next one.
         request_id: the sequence's id: its block-table row persists across
             steps while it runs ("": a row for this step only).
+        prompt_logits: positions [start, stop) of the chunk whose logits
+            score the prompt (its logprobs); their rows come before the
+            last position's. (0, 0): none.
     """
 
     token_ids: list[int]
@@ -43,6 +47,11 @@ class Chunk:
     write_from: int
     wants_logits: bool
     request_id: str = ""
+    prompt_logits: tuple[int, int] = (0, 0)
+
+    @property
+    def num_prompt_logits(self) -> int:
+        return self.prompt_logits[1] - self.prompt_logits[0]
 
 
 @dataclass(frozen=True)
@@ -120,12 +129,27 @@ def build_step_inputs(
         query_start=query_start,
         seq_lens=seq_lens,
         block_table=block_table,
-        logit_rows=(query_start[1 : n + 1] - 1)[wants],
+        logit_rows=_logit_rows(chunks, query_start, wants),
         num_tokens=num_tokens,
         num_seqs=n,
         max_query_len=int(q_lens.max(initial=0)),
         max_seq_len=int(seq_lens.max(initial=0)),
     )
+
+
+def _logit_rows(chunks: Sequence[Chunk], query_start: np.ndarray, wants: np.ndarray) -> np.ndarray:
+    """The flattened rows whose logits are wanted: each chunk's prompt-scoring
+    positions, then its last position when it samples."""
+    last_rows = query_start[1 : len(chunks) + 1] - 1
+    if not any(c.num_prompt_logits for c in chunks):
+        return last_rows[wants]
+    rows: list[int] = []
+    for i, chunk in enumerate(chunks):
+        start, stop = chunk.prompt_logits
+        rows.extend(range(query_start[i] + start - chunk.first, query_start[i] + stop - chunk.first))
+        if wants[i]:
+            rows.append(int(last_rows[i]))
+    return np.asarray(rows, np.int32)
 
 
 class BlockTableRows:

@@ -5,6 +5,7 @@ on launching; this module's thread turns them into text (incremental
 detokenizing, stop strings) and puts the messages on each request's
 ``events`` queue, which its handler streams out:
 
+    StreamPromptLogprobs(first_position, logprobs, top)     once the prompt is scored (when asked for)
     StreamTokens(token_ids, logprobs, text, top_logprobs)   as tokens are sampled
     StreamFinished(finish, completion_tokens)               after the daemon freed its blocks
     StreamError(message)                                    the daemon was lost mid-request
@@ -62,6 +63,14 @@ class StreamTokens(NamedTuple):
     top_logprobs: list[TopLogprobs]
 
 
+class StreamPromptLogprobs(NamedTuple):
+    """The prompt's scored tokens (asked for with ``prompt_logprobs``), before any token."""
+
+    first_position: int
+    logprobs: list[float]
+    top_logprobs: list[TopLogprobs]  # empty unless asked for
+
+
 class StreamFinished(NamedTuple):
     """The request's end, once the daemon freed its blocks."""
 
@@ -76,7 +85,7 @@ class StreamError(NamedTuple):
 
 
 #: What a request's ``events`` queue holds.
-StreamEvent = StreamTokens | StreamFinished | StreamError
+StreamEvent = StreamPromptLogprobs | StreamTokens | StreamFinished | StreamError
 
 
 # The loop's jobs for this thread, in the order it hands them over.
@@ -85,6 +94,11 @@ StreamEvent = StreamTokens | StreamFinished | StreamError
 @dataclass(frozen=True, slots=True)
 class _WriteTokens:
     batch: list[SampledToken]
+
+
+@dataclass(frozen=True, slots=True)
+class _WritePromptLogprobs:
+    seq: Sequence
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +122,7 @@ class _Close:
     """Ends the thread."""
 
 
-_Job = _WriteTokens | _WriteFinished | _WriteError | _Flush | _Close
+_Job = _WriteTokens | _WritePromptLogprobs | _WriteFinished | _WriteError | _Flush | _Close
 
 
 def _detokenizer(tokenizer, seq: Sequence) -> IncrementalDetokenizer:
@@ -151,6 +165,10 @@ class StreamWriter:
         if batch:
             self._jobs.put(_WriteTokens(batch))
 
+    def prompt_logprobs(self, seq: Sequence) -> None:
+        """``seq``'s prompt is scored (``seq.prompt_logprobs``, complete; never changed after)."""
+        self._jobs.put(_WritePromptLogprobs(seq))
+
     def finished(self, seq: Sequence) -> None:
         """The daemon freed ``seq``'s blocks (or never had any): its last message."""
         self._jobs.put(_WriteFinished(seq))
@@ -177,6 +195,9 @@ class StreamWriter:
                 match job:
                     case _WriteTokens(batch):
                         self._write_tokens(batch)
+                    case _WritePromptLogprobs(seq):
+                        first = seq.params.prompt_logprobs_from
+                        seq.events.put(StreamPromptLogprobs(first, seq.prompt_logprobs, seq.prompt_top))
                     case _WriteFinished(seq):
                         self._write_finished(seq)
                     case _WriteError(seq, message):

@@ -154,10 +154,13 @@ class KVCacheManager:
         assert not request.blocks, f"{request.request_id} is already admitted"
         num_tokens = len(request.token_ids)
         hashes = request.block_hashes
-        cached = self.match_tiers(hashes)
+        reusable = request.reusable_hashes
+        cached = self.match_tiers(reusable)
         hits = cached if self.host is None else [c for c in cached if isinstance(c, Block)]
         num_host_hits = len(cached) - len(hits)
-        if len(cached) < len(hashes) and (hashes[len(cached)] in self.inflight or self._wait_for_disk(request, cached)):
+        if len(cached) < len(reusable) and (
+            reusable[len(cached)] in self.inflight or self._wait_for_disk(reusable[len(cached) :], request)
+        ):
             return DEFERRED
         num_cached = len(cached) * self.block_size
         first = min(num_cached, num_tokens - 1)
@@ -191,14 +194,15 @@ class KVCacheManager:
         self.disk_hit_tokens += disk_tokens
         return Admitted(num_cached, host_tokens, disk_tokens, first, num_new, request.blocks)
 
-    def _wait_for_disk(self, request: Request, cached: list) -> bool:
-        """Whether the request's next block is on its way from the disk tier,
-        or on disk: then its run of blocks there starts loading into the host
-        tier, and the request waits (a few times at most, MAX_DISK_LOADS)."""
+    def _wait_for_disk(self, rest: Sequence[bytes], request: Request) -> bool:
+        """Whether the request's next block (``rest[0]``, the first of the
+        reusable blocks the tiers above do not hold) is on its way from the
+        disk tier, or on disk: then its run of blocks there starts loading
+        into the host tier, and the request waits (a few times at most,
+        MAX_DISK_LOADS)."""
         disk = self.disk
         if disk is None:
             return False
-        rest = request.block_hashes[len(cached) :]
         if rest[0] in disk.loading:
             return True
         if request.disk_loads >= MAX_DISK_LOADS or not disk.holds(rest[0]):

@@ -41,6 +41,9 @@ class Request:
             plus the sampled tokens but the last, which is never computed).
         last_step: the session step that last scheduled it (-1: none).
         disk_loads: loads from the disk tier it waited for at admission.
+        max_cached_blocks: the most leading blocks admission takes from the
+            cache (None: all it holds); the rest are computed again, for
+            their logits (a prompt's logprobs).
     """
 
     request_id: str
@@ -58,6 +61,13 @@ class Request:
     max_end: int = 0
     last_step: int = -1
     disk_loads: int = 0
+    max_cached_blocks: int | None = None
+
+    @property
+    def reusable_hashes(self) -> list[bytes]:
+        """The hashes of the blocks the cache may serve it."""
+        limit = self.max_cached_blocks
+        return self.block_hashes if limit is None else self.block_hashes[:limit]
 
     def queued(self, arrival: int) -> None:
         """Its session received it ``arrival``-th: its place in the schedule is set."""

@@ -58,7 +58,7 @@ def run_step(
     arrivals, released = session.apply_step_reports(manager, msg)
     # What the cache holds of each new prompt, before anything is admitted
     # (the engine's load reports): its hashes are at hand only here.
-    arrival_cached = [manager.cached_tokens(request.block_hashes) for request in arrivals]
+    arrival_cached = [manager.cached_tokens(request.reusable_hashes) for request in arrivals]
     reply = schedule(manager, session, msg.forward_in_flight, block_cap)
     reply.released.extend(released)
     reply.arrival_cached_tokens.extend(arrival_cached)

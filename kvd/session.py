@@ -316,6 +316,10 @@ def _new_request(manager: KVCacheManager, new: pb.NewRequest, index: int, sessio
         raise ValueError(f"{where}.prompt_token_ids: {exc}") from None
     request.priority = new.priority
     request.max_end = len(request.token_ids) + max(new.max_new_tokens - 1, 0)
+    if new.HasField("max_cached_tokens"):
+        if new.max_cached_tokens < 0:
+            raise ValueError(f"{where}.max_cached_tokens must be >= 0, got {new.max_cached_tokens}")
+        request.max_cached_blocks = new.max_cached_tokens // manager.block_size
     return request
 
 

@@ -29,6 +29,7 @@ from gateway.http_api.models import served_model
 from gateway.http_api.openai_schemas import Body, ChatCompletionRequest, CompletionRequest
 from gateway.http_api.openai_translate import Chunks, completion_body, completion_requests, generate_request
 from gateway.http_api.prompt_batch import MAX_WIDTH, Indexed, batch_messages, forked
+from gateway.http_api.prompt_scores import PromptScores, share_prefixes
 from gateway.http_api.threads import HttpCall
 from gateway.request_path import RequestPath, add_message
 from gateway.tenants import SCOPE_GENERATE
@@ -76,15 +77,23 @@ async def _complete(request: Request, body: ChatCompletionRequest | CompletionRe
         chunks.model = model
         tenant = requests.authorize(key, SCOPE_GENERATE).tenant
         gateway_requests, leaders = forked(_gateway_requests(requests, body, info.default_sampling), forks)
+        if isinstance(body, CompletionRequest):
+            chunks.echoes = _echoes(requests, body)
+            if body.scores_prompt and forks == 1:  # a shared context is scored once
+                leaders = share_prefixes(gateway_requests, info.block_size)
+        scores = PromptScores(leaders)
         width = requests.free_slots(tenant) or MAX_WIDTH
         run = lambda r: requests.generate(tenant, r, call)  # noqa: E731
-        yield from batch_messages(run, gateway_requests, width, call, leaders)
+        for index, message in batch_messages(run, gateway_requests, width, call, leaders):
+            yield Indexed(index, scores.complete(index, message))
 
     if not body.stream:
 
         def whole_body() -> dict:
             replies = _merged(messages(), choices)
-            return completion_body(replies, chat, chunks.model, want_logprobs, requests.token_text, forks)
+            return completion_body(
+                replies, chat, chunks.model, want_logprobs, requests.token_text, forks, chunks.echoes
+            )
 
         return JSONResponse(await whole(request, call, whole_body), headers=headers)
 
@@ -100,11 +109,20 @@ def _gateway_requests(
     if isinstance(body, ChatCompletionRequest):
         return [generate_request(body, defaults)]
     out = completion_requests(body, defaults)
-    if body.add_special_tokens is False and not body.template:  # no BOS: tokenized here, sent as token ids
+    # Tokenized here, sent as token ids: without a BOS; or scored, to find the prompts' shared prefixes.
+    if (body.add_special_tokens is False or body.scores_prompt) and not body.template:
+        bos = body.add_special_tokens is not False
         for one in out:
             if one.WhichOneof("prompt") == "text":
-                one.token_ids.ids.extend(requests.tokenize_text(one.text, add_special_tokens=False))
+                one.token_ids.ids.extend(requests.tokenize_text(one.text, add_special_tokens=bos))
     return out
+
+
+def _echoes(requests: RequestPath, body: CompletionRequest) -> list[str] | None:
+    """Each prompt's text for ``echo`` (a token-id prompt's decoded), or None without it."""
+    if not body.echo:
+        return None
+    return [prompt if isinstance(prompt, str) else requests.detokenize(prompt) for prompt in body.prompts()]
 
 
 def _merged(messages: Iterator[Indexed], choices: int) -> list[pb.GenerateResponse]:

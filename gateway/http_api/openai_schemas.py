@@ -7,12 +7,13 @@ Every field either works, changes nothing (and is accepted), or is refused:
   ``logit_bias``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
   ``include_stop_str_in_output``), messages with ``name`` and text parts,
   ``add_generation_prompt``, ``continue_final_message``,
-  ``chat_template_kwargs``, kvd's ``template``;
+  ``chat_template_kwargs``, kvd's ``template``; on completions ``echo``
+  (with ``logprobs``: the prompt's logprobs) and ``max_tokens`` 0 with it;
 - accepted, changing nothing (``_NO_OP`` lists the values that do): ``user``,
   ``safety_identifier``, ``store``, ``metadata``, ``best_of`` of 1,
   ``tools`` empty... and ``null`` for any field;
 - refused with a 400 naming the field: a value of ``_NO_OP``'s fields that
-  would change the reply (``best_of`` > 1, ``echo``, tools, a JSON response
+  would change the reply (``best_of`` > 1, a chat's ``echo``, tools, a JSON response
   format...), as kvd would silently break its meaning;
 - any other field is ignored: ``ignored_fields`` names it (the route logs
   it once and lists it in the ``x-kvd-ignored-fields`` header), as vLLM
@@ -21,7 +22,7 @@ Every field either works, changes nothing (and is accepted), or is refused:
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -66,8 +67,8 @@ _NO_OP: dict[str, tuple] = {
 }
 _WHY = {
     "best_of": "one choice per prompt (best_of > 1 is not supported yet)",
-    "echo": "echo is not supported yet",
-    "prompt_logprobs": "prompt logprobs are not supported yet",
+    "echo": "echo is only supported on /v1/completions",
+    "prompt_logprobs": "vLLM's prompt_logprobs is not supported; /v1/completions gives them with echo and logprobs",
     "tools": "tool calling is not supported yet",
     "tool_choice": "tool calling is not supported yet",
     "functions": "function calling is not supported yet",
@@ -92,11 +93,14 @@ class Body(BaseModel):
                     names += part.ignored_fields(f"{prefix}{name}{'[]' if isinstance(value, list) else ''}.")
         return sorted(set(names))
 
+    #: Fields of ``_NO_OP`` this body implements (any value works).
+    _implemented: ClassVar[frozenset[str]] = frozenset()
+
     @model_validator(mode="after")
     def _refuse(self):
         for name in type(self).model_fields:
             value = getattr(self, name)
-            if name in _NO_OP and value is not None and value not in _NO_OP[name]:
+            if name in _NO_OP and name not in self._implemented and value is not None and value not in _NO_OP[name]:
                 why = _WHY.get(name, "not supported by kvd (leave it out)")
                 raise FieldError(name, f"{name}: {why}")
         return self
@@ -166,7 +170,7 @@ class Sampling(Body):
     model: str | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(default=None, ge=1, lt=2**31)
+    max_tokens: int | None = Field(default=None, ge=0, lt=2**31)  # 0: completions with echo only
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1, lt=2**31)  # -1, 0: none (vLLM's -1)
@@ -267,6 +271,8 @@ class ChatCompletionRequest(Sampling):
             raise FieldError("continue_final_message", "continue_final_message: give it or add_generation_prompt")
         if not self.messages and self.template is None:
             raise FieldError("messages", "messages: empty (give messages, or a template alone)")
+        if self.max_tokens == 0:
+            raise FieldError("max_tokens", "max_tokens: must be >= 1")
         return self
 
     def new_tokens(self) -> int | None:
@@ -281,6 +287,10 @@ class CompletionRequest(Sampling):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     suffix: str | None = None
     add_special_tokens: bool | None = None  # a text prompt's BOS (default: yes, as vLLM)
+    # The prompt before the completion (with logprobs: the prompt's tokens scored, the first one null).
+    echo: bool | None = None
+
+    _implemented: ClassVar[frozenset[str]] = frozenset({"echo"})
 
     @model_validator(mode="after")
     def _prompts(self):
@@ -289,7 +299,16 @@ class CompletionRequest(Sampling):
             raise FieldError("prompt", f"prompt: {count} prompts; at most {MAX_PROMPTS} per request")
         if isinstance(self.prompt, list) and not self.prompt:
             raise FieldError("prompt", "prompt: empty")
+        if self.max_tokens == 0 and not self.echo:
+            raise FieldError("max_tokens", "max_tokens: 0 only with echo (the prompt alone)")
+        if self.echo and self.template is not None:
+            raise FieldError("echo", "echo: not with a template (echo the prompt without one)")
         return self
+
+    @property
+    def scores_prompt(self) -> bool:
+        """The prompt's own tokens get logprobs (``echo`` with ``logprobs``)."""
+        return bool(self.echo) and self.logprobs is not None
 
     def prompts(self) -> list[str | list[int]]:
         """Each prompt of the request (one choice each): a text or token ids."""

@@ -81,6 +81,9 @@ def completion_requests(
         if body.logprobs is not None:
             out.sampling.logprobs = True
             out.sampling.top_logprobs = body.logprobs
+        if body.scores_prompt:
+            out.sampling.prompt_logprobs = True
+            out.sampling.prompt_top_logprobs = body.logprobs or 0
         _sampling(out.sampling, body, defaults)
         if body.max_tokens is None:
             out.sampling.max_new_tokens = COMPLETION_MAX_TOKENS
@@ -186,17 +189,29 @@ def completion_body(
     want_logprobs: bool,
     token_text: TokenText,
     forks: int = 1,
+    echoes: Sequence[str] | None = None,
 ) -> dict:
-    """A whole completion (``stream`` false): one choice per reply, in order."""
+    """A whole completion (``stream`` false): one choice per reply, in order.
+
+    Args:
+        echoes: each prompt's text, put before its choices' (``echo``; with
+            logprobs, its tokens' logprobs from the replies' ``prompt_logprobs``).
+    """
     choices = []
     for index, reply in enumerate(replies):
         finish = FINISH.get(reply.finish_reason, "stop")
-        logprobs = _logprobs(reply, chat, token_text, 0) if want_logprobs else None
         if chat:
+            logprobs = _logprobs(reply, chat, token_text, 0) if want_logprobs else None
             choices.append({"index": index, "message": {"role": "assistant", "content": reply.text},
                             "logprobs": logprobs, "finish_reason": finish})  # fmt: skip
-        else:
-            choices.append({"index": index, "text": reply.text, "logprobs": logprobs, "finish_reason": finish})
+            continue
+        echo = echoes[index // forks] if echoes is not None else ""
+        logprobs = None
+        if want_logprobs:
+            logprobs = _logprobs(reply, chat, token_text, len(echo))
+            if reply.HasField("prompt_logprobs"):
+                logprobs = _joined(_scored_prompt(reply.prompt_logprobs, token_text), logprobs)
+        choices.append({"index": index, "text": echo + reply.text, "logprobs": logprobs, "finish_reason": finish})
     return {
         "id": completion_id(chat),
         "object": "chat.completion" if chat else "text_completion",
@@ -222,6 +237,8 @@ class Chunks:
         choices: int = 1,
         forks: int = 1,
     ):
+        #: each prompt's text, streamed before its choices' (completions' ``echo``); set once known
+        self.echoes: Sequence[str] | None = None
         self.chat = chat
         self.want_logprobs = want_logprobs
         self.include_usage = include_usage
@@ -240,15 +257,20 @@ class Chunks:
         return {"id": self._id, "object": self._object, "created": self._created, "model": self.model}
 
     def first(self) -> list[dict]:
-        """A chat stream opens with the assistant's role (each choice's)."""
+        """A chat stream opens with the assistant's role (each choice's); an
+        echoed completion with its prompt, unless its logprobs bring it (``of``)."""
         if not self.chat:
-            return []
+            if self.echoes is None or self.want_logprobs:
+                return []
+            return [self._echo(index, None) for index in range(len(self._usages))]
         return [self._chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}) for index in range(len(self._usages))]  # fmt: skip
 
     def of(self, message: pb.GenerateResponse, index: int = 0) -> list[dict]:
         """The chunks for one message of choice ``index``'s stream (its last one brings its usage)."""
         out = []
+        if message.HasField("prompt_logprobs") and self.echoes is not None and self.want_logprobs:
+            out.append(self._echo(index, _scored_prompt(message.prompt_logprobs, self.token_text)))
         if message.text or message.token_ids:
             offset = self._text_offsets[index]
             logprobs = _logprobs(message, self.chat, self.token_text, offset) if self.want_logprobs else None
@@ -272,6 +294,13 @@ class Chunks:
                 out.append({**self._head, "choices": [], "usage": usage(summed_usage(self._usages, self._forks))})
         return out
 
+    def _echo(self, index: int, logprobs: dict | None) -> dict:
+        """The chunk of choice ``index``'s echoed prompt."""
+        assert self.echoes is not None
+        text = self.echoes[index // self._forks]
+        self._text_offsets[index] += len(text)
+        return self._chunk({"index": index, "text": text, "logprobs": logprobs, "finish_reason": None})
+
     def _chunk(self, choice: dict) -> dict:
         chunk = {**self._head, "choices": [choice]}
         if self.include_usage:
@@ -286,6 +315,15 @@ def _logprobs(message: pb.GenerateResponse, chat: bool, token_text: TokenText, t
         steps = zip(ids, message.logprobs, tops, strict=False)  # logprobs: one per token when asked for
         entries = [_chat_entry(token_text, t, _finite(lp), top) for t, lp, top in steps]
         return {"content": entries}
+    return _text_logprobs(token_text, ids, message.logprobs, tops, text_offset)
+
+
+def _text_logprobs(
+    token_text: TokenText, ids: Sequence[int], logprobs: Sequence[float | None], tops: Sequence, text_offset: int
+) -> dict:
+    """Completions' logprobs of ``ids``: each token's text, logprob (None:
+    none, the prompt's first), most likely tokens with the token itself among
+    them (as OpenAI's: up to logprobs + 1), and offset in the choice's text."""
     tokens = [token_text(t) for t in ids]
     offsets, at = [], text_offset
     for token in tokens:
@@ -293,10 +331,27 @@ def _logprobs(message: pb.GenerateResponse, chat: bool, token_text: TokenText, t
         at += len(token)
     return {
         "tokens": tokens,
-        "token_logprobs": [_finite(lp) for lp in message.logprobs],
-        "top_logprobs": [_top_map(token_text, top) for top in tops] if any(t is not None for t in tops) else None,
+        "token_logprobs": [None if lp is None else _finite(lp) for lp in logprobs],
+        "top_logprobs": [
+            None if lp is None else {**_top_map(token_text, top), text: _finite(lp)}
+            for text, lp, top in zip(tokens, logprobs, tops, strict=True)
+        ],
         "text_offset": offsets,
     }
+
+
+def _scored_prompt(scored: epb.PromptLogprobs, token_text: TokenText) -> dict:
+    """An echoed prompt's logprobs (the positions before the first scored one: None)."""
+    first = scored.first_position
+    wanted = len(scored.logprobs)
+    tops = scored.top_logprobs if len(scored.top_logprobs) == wanted else [None] * wanted
+    logprobs: list[float | None] = [None] * first + list(scored.logprobs)
+    return _text_logprobs(token_text, scored.token_ids, logprobs, [None] * first + list(tops), 0)
+
+
+def _joined(prompt: dict, output: dict) -> dict:
+    """An echoed prompt's logprobs followed by its completion's."""
+    return {key: prompt[key] + output[key] for key in prompt}
 
 
 def _chat_entry(token_text: TokenText, token: int, logprob: float, top) -> dict:
@@ -310,9 +365,9 @@ def _chat_entry(token_text: TokenText, token: int, logprob: float, top) -> dict:
     return entry
 
 
-def _top_map(token_text: TokenText, top) -> dict[str, float] | None:
+def _top_map(token_text: TokenText, top) -> dict[str, float]:
     if top is None:
-        return None
+        return {}
     return {token_text(t): _finite(lp) for t, lp in zip(top.token_ids, top.logprobs, strict=True)}
 
 

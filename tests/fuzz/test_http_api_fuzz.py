@@ -108,6 +108,8 @@ COMPLETION = {
     ),
     "logprobs": st.integers(0, 5),
     "add_special_tokens": st.booleans(),
+    "echo": st.booleans(),  # with logprobs: the prompt's, scored
+    "max_tokens": st.integers(0, 3),  # 0: with echo only
 }
 TOKENIZE = {
     "model": st.just("MODEL"),

@@ -233,3 +233,81 @@ def test_models_have_what_vllm_bench_serve_reads(client, served_name):
     assert model.id == HF_ID == served_name  # the first --served-model-name
     # vllm bench serve loads its tokenizer by `root`: the Hugging Face id the engine knows.
     assert model.owned_by and model.model_extra["root"] == HF_ID and model.model_extra["parent"] is None, model
+
+
+ECHO_CONTEXT = "Question: which planet is known as the red planet?\nAnswer:"
+ECHO_CHOICES = [" Mars", " Venus", " Jupiter", " Saturn"]
+
+
+def prompt_logprobs_reference(reference_model, ids: list[int]) -> list[float]:
+    """Each token's logprob after the ones before it (the first has none), by transformers."""
+    import torch
+
+    with torch.no_grad():
+        logprobs = torch.log_softmax(reference_model(torch.tensor([ids])).logits[0].double(), dim=-1)
+    return [logprobs[p - 1, ids[p]].item() for p in range(1, len(ids))]
+
+
+def test_echo_with_logprobs_scores_a_token_prompt_as_lm_eval_asks(client, served_name, tokenizer, reference_model):
+    ids = tokenizer.encode(ECHO_CONTEXT + ECHO_CHOICES[0], add_special_tokens=False)
+    # lm-eval's local-completions loglikelihood request.
+    reply = client.completions.create(
+        model=served_name, prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True, seed=1234
+    )
+    (choice,) = reply.choices
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert choice.text.startswith(tokenizer.decode(ids)) and len(choice.text) > len(tokenizer.decode(ids))
+    assert lp.token_logprobs[1 : len(ids)] == pytest.approx(prompt_logprobs_reference(reference_model, ids), abs=1e-6)
+    for logprob, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True):
+        assert 1 <= len(top) <= 2 and max(top.values()) >= logprob  # the token itself is among them
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert reply.usage.prompt_tokens == len(ids) and reply.usage.completion_tokens == 1
+
+
+def test_echo_of_a_text_prompt_with_max_tokens_0_is_the_prompt_alone(client, served_name, tokenizer, reference_model):
+    reply = client.completions.create(model=served_name, prompt=ECHO_CONTEXT, max_tokens=0, echo=True, logprobs=0)
+    (choice,) = reply.choices
+    ids = tokenizer.encode(ECHO_CONTEXT)  # as a text prompt is tokenized (SmolLM2 adds no BOS)
+    assert choice.text == ECHO_CONTEXT and choice.finish_reason == "length"
+    assert choice.logprobs.token_logprobs[0] is None and len(choice.logprobs.tokens) == len(ids)
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(
+        prompt_logprobs_reference(reference_model, ids), abs=1e-6
+    )
+    assert reply.usage.completion_tokens == 0
+    plain = client.completions.create(model=served_name, prompt=ECHO_CONTEXT, max_tokens=3, temperature=0, echo=True)
+    assert plain.choices[0].text.startswith(ECHO_CONTEXT) and plain.choices[0].logprobs is None
+
+
+def test_choices_sharing_a_context_in_one_request_score_it_once_and_equal_separate_requests(
+    client, served_name, tokenizer
+):
+    prompts = [tokenizer.encode(ECHO_CONTEXT * 3 + c, add_special_tokens=False) for c in ECHO_CHOICES]
+    together = client.completions.create(model=served_name, prompt=prompts, max_tokens=1, logprobs=1, echo=True,
+                                         temperature=0)  # fmt: skip
+    # The context was computed once: the other choices were served its blocks by the cache.
+    context_blocks = len(tokenizer.encode(ECHO_CONTEXT * 3, add_special_tokens=False)) // 16
+    assert together.usage.prompt_tokens_details.cached_tokens >= 3 * (context_blocks - 1) * 16
+    for prompt, choice in zip(prompts, together.choices, strict=True):
+        alone = client.completions.create(model=served_name, prompt=prompt, max_tokens=1, logprobs=1, echo=True,
+                                          temperature=0).choices[0]  # fmt: skip
+        assert choice.logprobs.tokens == alone.logprobs.tokens
+        assert choice.logprobs.token_logprobs[1:] == pytest.approx(alone.logprobs.token_logprobs[1:], abs=1e-6)
+        assert choice.logprobs.top_logprobs[1:-1] == [
+            pytest.approx(top, abs=1e-6) for top in alone.logprobs.top_logprobs[1:-1]
+        ]
+
+
+def test_a_streamed_echo_sends_the_prompt_first(stack, served_name, tokenizer):
+    ids = tokenizer.encode(ECHO_CONTEXT, add_special_tokens=False)
+    body = {"model": served_name, "prompt": ids, "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 2,
+            "stream": True}  # fmt: skip
+    with httpx.stream("POST", f"{stack}/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        events = [json.loads(e[len("data: ") :]) for e in response.read().decode().split("\n\n") if e.strip()
+                  and e != "data: [DONE]"]  # fmt: skip
+    first = events[0]["choices"][0]
+    assert first["text"] == tokenizer.decode(ids) and first["logprobs"]["token_logprobs"][0] is None
+    assert len(first["logprobs"]["tokens"]) == len(ids)
+    generated = [t for e in events[1:] for c in e["choices"] for t in (c["logprobs"] or {}).get("tokens", [])]
+    assert len(generated) == 2

@@ -354,7 +354,7 @@ def test_each_step_waits_for_every_forward_but_the_one_in_flight_and_names_the_l
     try:
         # Warm-ups (prefill only: nothing sampled) in chunks of 4 tokens.
         warmups = [
-            Sequence(f"w{i}", list(range(10 * i, 10 * i + 13)), SamplingParams(), prefill_only=True) for i in range(3)
+            Sequence(f"w{i}", list(range(10 * i, 10 * i + 13)), SamplingParams(max_new_tokens=0)) for i in range(3)
         ]
         for seq in warmups:
             engine.submit(seq)

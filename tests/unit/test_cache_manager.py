@@ -429,3 +429,23 @@ def test_free_returns_every_block_and_resets_the_request():
     assert request.blocks == []
     assert (request.num_computed_tokens, request.num_scheduled_tokens, request.num_indexed_blocks) == (0, 0, 0)
     assert manager.device_cached_tokens(hashes(PROMPT[:10])) == 8
+
+
+def test_a_request_takes_no_more_of_the_cache_than_its_limit_and_waits_for_no_block_past_it():
+    pool, manager = make()
+    warm(manager, PROMPT)  # all four blocks cached
+    limited = manager.new_request("scored", PROMPT)
+    limited.max_cached_blocks = 1  # its positions from 4 on are computed again, for their logits
+    admitted = manager.admit(limited, 10**6)
+    assert admitted is not None and admitted.num_cached_tokens == BS and admitted.first_position == BS
+    manager.commit(limited, len(PROMPT))
+    # Its recomputed blocks are duplicates: the first copies stay the ones indexed.
+    assert [b.block_hash for b in limited.blocks[1:]] == [None, None, None]
+    other = manager.new_request("other", PROMPT[:8] + [99] * 8)
+    other.max_cached_blocks = 0
+    in_flight = manager.new_request("first", [50 + t for t in PROMPT])
+    assert manager.admit(in_flight, 4) is not None  # its first block is being computed
+    behind = manager.new_request("behind", [50 + t for t in PROMPT])
+    behind.max_cached_blocks = 0
+    assert manager.admit(behind, 10**6) not in (None, DEFERRED)  # it could not reuse that block: no wait
+    assert manager.admit(other, 10**6).num_cached_tokens == 0

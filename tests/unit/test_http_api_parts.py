@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from gateway.http_api.errors import api_error
 from gateway.http_api.openai_schemas import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest
 from gateway.http_api.openai_translate import Chunks, completion_body, completion_requests, generate_request
+from gateway.http_api.prompt_scores import PromptScores, share_prefixes
 from gateway.http_api.threads import HttpCall
 from gateway.request_errors import RequestError
 from gateway.request_path import cache_key_member
@@ -207,3 +208,52 @@ def test_streamed_choices_keep_their_own_offsets_and_the_usage_waits_for_all():
     assert not any(c["choices"] == [] for c in out)  # choice 1 has not finished
     last = chunks.of(_reply("", [], True), 1)
     assert last[-1]["choices"] == [] and last[-1]["usage"]["completion_tokens"] == 4
+
+
+def _scored(ids: list[int], first: int, logprobs: list[float], top: bool = False) -> epb.PromptLogprobs:
+    out = epb.PromptLogprobs(token_ids=ids, first_position=first, logprobs=logprobs)
+    if top:
+        out.top_logprobs.extend(epb.TopLogprobs(token_ids=[9], logprobs=[lp + 1]) for lp in logprobs)
+    return out
+
+
+def test_an_echoed_completion_puts_the_prompt_and_its_logprobs_first():
+    reply = _reply("ab", [1, 2], True)
+    reply.prompt_logprobs.CopyFrom(_scored([7, 8, 9], 1, [-1.0, -2.0], top=True))
+    body = completion_body([reply], chat=False, model="m", want_logprobs=True, token_text=str, echoes=["789"])
+    choice = body["choices"][0]
+    assert choice["text"] == "789ab"
+    lp = choice["logprobs"]
+    assert lp["tokens"] == ["7", "8", "9", "1", "2"] and lp["token_logprobs"] == [None, -1.0, -2.0, -0.5, -0.5]
+    # OpenAI's top logprobs: the most likely ones with the token itself among them.
+    assert lp["top_logprobs"] == [None, {"9": 0.0, "8": -1.0}, {"9": -2.0}, {"1": -0.5}, {"2": -0.5}]
+    assert lp["text_offset"] == [0, 1, 2, 3, 4]
+
+
+def test_a_streamed_echo_opens_each_choice_with_its_prompt():
+    plain = Chunks(chat=False, model="m", want_logprobs=False, include_usage=False, token_text=str, choices=2, forks=2)
+    plain.echoes = ["Hi"]
+    assert [(c["choices"][0]["index"], c["choices"][0]["text"]) for c in plain.first()] == [(0, "Hi"), (1, "Hi")]
+    scored = Chunks(chat=False, model="m", want_logprobs=True, include_usage=False, token_text=str)
+    scored.echoes = ["78"]
+    assert scored.first() == []  # the prompt comes with its logprobs
+    message = pb.GenerateResponse(prompt_logprobs=_scored([7, 8], 1, [-1.0]))
+    (echo,) = scored.of(message)
+    assert echo["choices"][0]["text"] == "78" and echo["choices"][0]["logprobs"]["token_logprobs"] == [None, -1.0]
+    (token,) = scored.of(_reply("a", [1], False))
+    assert token["choices"][0]["logprobs"]["text_offset"] == [2]
+
+
+def test_prompts_sharing_a_context_follow_the_earlier_one_and_take_its_logprobs():
+    context = list(range(100, 120))  # a block of 16 and 4 more
+    requests = [pb.GenerateRequest(token_ids=epb.TokenIds(ids=ids)) for ids in
+                (context + [1, 2], context + [3], context[:10] + [4], context + [1, 2, 5])]  # fmt: skip
+    assert share_prefixes(requests, block_size=16) == {1: 0, 3: 0}
+    assert [r.sampling.prompt_logprobs_from for r in requests] == [0, 20, 0, 22]  # the first position that differs
+    scores = PromptScores({1: 0, 3: 0})
+    leader = pb.GenerateResponse(prompt_logprobs=_scored(context + [1, 2], 1, [float(-p) for p in range(1, 22)]))
+    scores.complete(0, leader)
+    follower = scores.complete(1, pb.GenerateResponse(prompt_logprobs=_scored(context + [3], 20, [-50.0])))
+    p = follower.prompt_logprobs
+    assert p.first_position == 1 and list(p.logprobs) == [float(-q) for q in range(1, 20)] + [-50.0]
+    assert list(p.token_ids) == context + [3]

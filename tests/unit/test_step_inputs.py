@@ -35,6 +35,17 @@ def test_arrays_of_a_mixed_step():
     assert all(a.dtype == np.int32 for a in (inputs.token_ids, inputs.slot_mapping, inputs.block_table))
 
 
+def test_prompt_scoring_rows_come_before_each_chunks_sampling_row():
+    chunks = [
+        Chunk([7, 8, 9], 5, [3, 4], 5, True, "a", prompt_logits=(5, 7)),  # the last chunk: scores, then samples
+        Chunk([1], 9, [5, 6, 7], 9, True, "b"),  # a decode
+        Chunk([2, 3, 4], 0, [8], 0, False, "c", prompt_logits=(1, 3)),  # a middle chunk scoring from position 1
+    ]
+    rows = BlockTableRows()
+    inputs = build_step_inputs(chunks, BLOCK, rows.table, rows.assign(chunks))
+    assert inputs.logit_rows.tolist() == [0, 1, 2, 3, 5, 6]
+
+
 def test_rows_persist_grow_and_are_given_back():
     rows = BlockTableRows(rows=2, width=2)
     a, b = [1, 2], [3]

@@ -182,20 +182,22 @@ class DetachResponse(_message.Message):
     def __init__(self, released_requests: _Optional[int] = ...) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "cache_salt", "extra_keys", "priority", "max_new_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "cache_salt", "extra_keys", "priority", "max_new_tokens", "max_cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     cache_salt: bytes
     extra_keys: _containers.RepeatedScalarFieldContainer[bytes]
     priority: int
     max_new_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[bytes] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., priority: _Optional[int] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
+    max_cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[bytes] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., priority: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., max_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Commits(_message.Message):
     __slots__ = ("request_ids", "num_computed_tokens", "num_new_tokens", "new_token_ids")
