@@ -316,6 +316,7 @@ def measure_loglikelihood(kvd, base_url: str, model: str, prompt) -> dict[str, A
         context = [t for _ in range(CONTEXT_PROMPTS) for t in prompt()]
         return [context + prompt()[:CHOICE_TOKENS] for _ in range(CHOICES)]
 
+    client.completions.create(prompt=choices()[0], **args)  # warm-up: the gateway loads what echo decodes with
     together = choices()
     shared_s, shared_prefill = computed(kvd, lambda: client.completions.create(prompt=together, **args))
     apart = choices()

@@ -29,7 +29,7 @@ from gateway.http_api.models import served_model
 from gateway.http_api.openai_schemas import Body, ChatCompletionRequest, CompletionRequest
 from gateway.http_api.openai_translate import Chunks, completion_body, completion_requests, generate_request
 from gateway.http_api.prompt_batch import MAX_WIDTH, Indexed, batch_messages, forked
-from gateway.http_api.prompt_scores import PromptScores, share_prefixes
+from gateway.http_api.prompt_scores import PromptScores, forks_share_scores, share_prefixes
 from gateway.http_api.threads import HttpCall
 from gateway.request_path import RequestPath, add_message
 from gateway.tenants import SCOPE_GENERATE
@@ -81,6 +81,8 @@ async def _complete(request: Request, body: ChatCompletionRequest | CompletionRe
             chunks.echoes = _echoes(requests, body)
             if body.scores_prompt and forks == 1:  # a shared context is scored once
                 leaders = share_prefixes(gateway_requests, info.block_size)
+            elif body.scores_prompt:  # and a prompt once for all its forks
+                forks_share_scores(gateway_requests, leaders)
         scores = PromptScores(leaders)
         width = requests.free_slots(tenant) or MAX_WIDTH
         run = lambda r: requests.generate(tenant, r, call)  # noqa: E731

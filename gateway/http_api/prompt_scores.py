@@ -10,7 +10,8 @@ one's prompt is computed (``prompt_batch.batch_messages``), asks the engine
 for logprobs only from the first position where the two may differ (the
 cache serves its blocks before that), and takes the earlier prompt's
 logprobs for the positions before (``PromptScores``): those positions see
-the same tokens, so they have the same logprobs.
+the same tokens, so they have the same logprobs. The ``n`` forks of a
+scored prompt take its first fork's logprobs whole (``forks_share_scores``).
 """
 
 from __future__ import annotations
@@ -44,6 +45,14 @@ def share_prefixes(requests: Sequence[pb.GenerateRequest], block_size: int) -> d
             request.sampling.prompt_logprobs_from = shared
             leaders[index] = best
     return leaders
+
+
+def forks_share_scores(requests: Sequence[pb.GenerateRequest], leaders: Mapping[int, int]) -> None:
+    """Makes each fork of a scored prompt (``n`` > 1) score nothing itself:
+    the cache serves it the prompt its leader computed, and ``PromptScores``
+    gives it the leader's logprobs."""
+    for fork in leaders:
+        requests[fork].sampling.prompt_logprobs_from = len(requests[fork].token_ids.ids)
 
 
 class PromptScores:

@@ -311,3 +311,15 @@ def test_a_streamed_echo_sends_the_prompt_first(stack, served_name, tokenizer):
     assert len(first["logprobs"]["tokens"]) == len(ids)
     generated = [t for e in events[1:] for c in e["choices"] for t in (c["logprobs"] or {}).get("tokens", [])]
     assert len(generated) == 2
+
+
+def test_forks_of_an_echoed_prompt_share_its_scores(client, served_name, tokenizer):
+    ids = tokenizer.encode(ECHO_CONTEXT * 3, add_special_tokens=False)
+    reply = client.completions.create(model=served_name, prompt=ids, n=3, max_tokens=1, logprobs=1, echo=True,
+                                      temperature=0)  # fmt: skip
+    first, *others = [c.logprobs for c in reply.choices]
+    assert all(o.token_logprobs == first.token_logprobs and o.tokens == first.tokens for o in others)
+    alone = client.completions.create(model=served_name, prompt=ids, max_tokens=1, logprobs=1, echo=True, temperature=0)
+    assert first.token_logprobs[1:-1] == pytest.approx(alone.choices[0].logprobs.token_logprobs[1:-1], abs=1e-6)
+    # usage counts the prompt once (its first fork's); the forks' own cache hits are in the daemon's stats only
+    assert reply.usage.prompt_tokens == len(ids)
