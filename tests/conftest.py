@@ -14,6 +14,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -362,6 +363,46 @@ def gateway_on_local_redis(
         server = redis.Redis(host="127.0.0.1", port=6379)
         for key in server.scan_iter(f"{prefix}*"):
             server.delete(key)
+
+
+@dataclass(frozen=True)
+class HttpStack:
+    """A daemon, an engine and a gateway serving the HTTP API (``base_url``: its ``/v1``)."""
+
+    daemon: DaemonProcess
+    engine: EngineProcess
+    gateway: GatewayProcess
+    base_url: str
+    folder: str
+
+
+@contextlib.contextmanager
+def http_stack(
+    model_dir: Path,
+    daemon_args: Sequence[str],
+    engine_args: Sequence[str] = (),
+    gateway_args: Sequence[str] = (),
+    folder: str | None = None,
+    api_key: str | None = None,
+) -> Iterator[HttpStack]:
+    """A daemon, an engine on ``model_dir`` and a gateway on the real Redis
+    serving HTTP on a free port, yielded once ``/ready`` answers 200; stopped
+    after, and ``folder`` (default: a new one) removed."""
+    import httpx2 as httpx
+
+    folder = folder or tempfile.mkdtemp(prefix="kvd-http-", dir="/tmp")
+    http = f"127.0.0.1:{free_port()}"
+    daemon = start_daemon(list(daemon_args), folder)
+    engine = start_engine(daemon, ["--model", str(model_dir), *engine_args], folder)
+    try:
+        args = ["--http-listen", http, *gateway_args]
+        with gateway_on_local_redis(engine.address, folder, 1, args, api_key=api_key) as gateway:
+            assert wait_for(lambda: httpx.get(f"http://{http}/ready").status_code == 200, 30), gateway.log()
+            yield HttpStack(daemon, engine, gateway, f"http://{http}/v1", folder)
+    finally:
+        engine.stop()
+        daemon.stop()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def start_redis(workdir: str) -> RedisProcess:

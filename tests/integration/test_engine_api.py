@@ -122,7 +122,11 @@ BAD_REQUESTS = {
     "empty token ids": (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[])), "prompt"),
     "token outside the vocabulary": (request([1, 2, 49152]), "vocabulary"),
     "negative token": (request([1, -2]), "vocabulary"),
-    "max tokens < 1": (request([1, 2], 0), "max_new_tokens"),
+    "negative max tokens": (request([1, 2], -1), "max_new_tokens"),
+    "prompt top logprobs above 20": (
+        request([1, 2], 1, prompt_logprobs=True, prompt_top_logprobs=21),
+        "prompt_top_logprobs",
+    ),
     "negative temperature": (request([1, 2], 4, temperature=-0.5), "temperature"),
     "top_p zero": (request([1, 2], 4, top_p=0.0), "top_p"),
     "top_p above one": (request([1, 2], 4, top_p=1.5), "top_p"),

@@ -26,7 +26,15 @@ from gateway.client import GatewayClient
 from kvd_api.engine.v1 import engine_pb2 as epb
 from kvd_api.gateway.v1 import gateway_pb2 as gpb
 from kvd_api.gateway.v1 import gateway_pb2_grpc as pbg
-from tests.conftest import blocks_held, free_port, gateway_on_local_redis, start_daemon, start_engine, wait_for
+from tests.conftest import (
+    blocks_held,
+    free_port,
+    gateway_on_local_redis,
+    http_stack,
+    start_daemon,
+    start_engine,
+    wait_for,
+)
 from tests.integration import engine_client
 from tests.integration.engine_client import reference_greedy
 from tests.integration.gateway_client import document
@@ -46,18 +54,10 @@ def stack(model_dir):
     folder = tempfile.mkdtemp(prefix="kvd-http-", dir="/tmp")
     with open(f"{folder}/keys.json", "w") as f:
         json.dump({"keys": [{"key": k, "tenant": "acme", "scopes": s} for k, s in KEYS.items()]}, f)
-    http = f"127.0.0.1:{free_port()}"
-    daemon = start_daemon(["--block-size", str(BLOCK), "--num-blocks", "512", "--lease-s", "2"], folder)
-    engine = start_engine(daemon, ["--model", str(model_dir), "--dtype", "float64"], folder)
-    args = ["--api-keys", f"{folder}/keys.json", "--max-concurrent-requests", "2", "--http-listen", http]
-    try:
-        with gateway_on_local_redis(engine.address, folder, 1, args, api_key="acme-key") as gateway:
-            assert wait_for(lambda: httpx.get(f"http://{http}/ready").status_code == 200, 30), gateway.log()
-            yield daemon, gateway, f"http://{http}/v1", engine
-    finally:
-        engine.stop()
-        daemon.stop()
-        shutil.rmtree(folder, ignore_errors=True)
+    daemon = ["--block-size", str(BLOCK), "--num-blocks", "512", "--lease-s", "2"]
+    gateway = ["--api-keys", f"{folder}/keys.json", "--max-concurrent-requests", "2"]
+    with http_stack(model_dir, daemon, ["--dtype", "float64"], gateway, folder, api_key="acme-key") as s:
+        yield s.daemon, s.gateway, s.base_url, s.engine
 
 
 @pytest.fixture(scope="module")

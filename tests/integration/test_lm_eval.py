@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import shutil
 import socket
-import tempfile
 from pathlib import Path
 
 import httpx2 as httpx
 import pytest
 
-from tests.conftest import free_port, gateway_on_local_redis, start_daemon, start_engine, wait_for
+from tests.conftest import http_stack
 
 # Within float32 rounding of a 135M model over a dozen tokens; a wrong position or
 # a missed token is off by whole nats.
@@ -118,19 +116,9 @@ def is_address(host) -> bool:
 @pytest.fixture(scope="module")
 def stack(model_dir):
     """The HTTP API's base URL, once the gateway serves."""
-    folder = tempfile.mkdtemp(prefix="kvd-lm-eval-", dir="/tmp")
-    http = f"127.0.0.1:{free_port()}"
-    daemon = start_daemon(["--block-size", "16", "--num-blocks", "256", "--lease-s", "2"], folder)
-    engine = start_engine(daemon, ["--model", str(model_dir), "--dtype", "float32"], folder)
-    args = ["--http-listen", http]
-    try:
-        with gateway_on_local_redis(engine.address, folder, 1, args) as gateway:
-            assert wait_for(lambda: httpx.get(f"http://{http}/ready").status_code == 200, 30), gateway.log()
-            yield f"http://{http}/v1"
-    finally:
-        engine.stop()
-        daemon.stop()
-        shutil.rmtree(folder, ignore_errors=True)
+    daemon = ["--block-size", "16", "--num-blocks", "256", "--lease-s", "2"]
+    with http_stack(model_dir, daemon, ["--dtype", "float32"]) as stack:
+        yield stack.base_url
 
 
 @pytest.fixture(scope="module")

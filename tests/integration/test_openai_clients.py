@@ -15,14 +15,12 @@ model cost map and LangChain traces nothing.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 
 import httpx2 as httpx
 import openai
 import pytest
 
-from tests.conftest import free_port, gateway_on_local_redis, start_daemon, start_engine, wait_for
+from tests.conftest import http_stack
 
 HF_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 # The header in which the gateway names the request's fields it ignored (docs/gateway.md).
@@ -37,21 +35,12 @@ LIST_QUESTION = "List the planets of the solar system, one per line."
 @pytest.fixture(scope="module")
 def stack(model_dir):
     """The HTTP API's base URL, once the gateway serves."""
-    folder = tempfile.mkdtemp(prefix="kvd-clients-", dir="/tmp")
-    http = f"127.0.0.1:{free_port()}"
     # 128 blocks of 16: 2048 tokens, room for the unbounded answer and a small cache.
-    daemon = start_daemon(["--block-size", "16", "--num-blocks", "128", "--lease-s", "2"], folder)
-    engine = start_engine(daemon, ["--model", str(model_dir), "--dtype", "float64"], folder)
+    daemon = ["--block-size", "16", "--num-blocks", "128", "--lease-s", "2"]
     # The Hugging Face id first (what /v1/models lists), the folder's name as an alias.
-    args = ["--http-listen", http, "--served-model-name", f"{HF_ID},{model_dir.name}"]
-    try:
-        with gateway_on_local_redis(engine.address, folder, 1, args) as gateway:
-            assert wait_for(lambda: httpx.get(f"http://{http}/ready").status_code == 200, 30), gateway.log()
-            yield f"http://{http}/v1"
-    finally:
-        engine.stop()
-        daemon.stop()
-        shutil.rmtree(folder, ignore_errors=True)
+    gateway = ["--served-model-name", f"{HF_ID},{model_dir.name}"]
+    with http_stack(model_dir, daemon, ["--dtype", "float64"], gateway) as stack:
+        yield stack.base_url
 
 
 @pytest.fixture(scope="module")
