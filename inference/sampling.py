@@ -177,16 +177,11 @@ def score_tokens(logits: torch.Tensor, targets: Sequence[int], top_logprobs: int
     token has exactly the top entry's logprob."""
     logprobs = torch.log_softmax(logits if logits.dtype == torch.float64 else logits.float(), dim=-1)
     index = torch.tensor(targets, dtype=torch.long).to(logits.device, non_blocking=True)
-    columns = [logprobs.gather(1, index[:, None])]
-    if top_logprobs:
-        values, ids = torch.topk(logprobs, top_logprobs)
-        columns += [ids.to(logprobs.dtype), values]
-    host = torch.cat(columns, dim=1).cpu().tolist()
-    chosen = [row[0] for row in host]
+    host = _packed_to_host(logprobs, index, top_logprobs)
+    chosen = [row[1] for row in host]
     if not top_logprobs:
         return Scored(chosen, None)
-    k = top_logprobs
-    return Scored(chosen, [([int(i) for i in row[1 : 1 + k]], row[1 + k :]) for row in host])
+    return Scored(chosen, [_top(row, top_logprobs, top_logprobs) for row in host])
 
 
 class Sampler:
@@ -289,12 +284,8 @@ class BatchedSampler:
             tokens = torch.where(
                 self._host_to(logits, [not p.greedy for p in params]), self._draw(logits, params, generators), tokens
             )
-        columns = [tokens.to(logits.dtype)[:, None], logprobs.gather(1, tokens[:, None])]
         k = max(p.top_logprobs for p in params)
-        if k:
-            values, ids = torch.topk(logprobs, k)
-            columns += [ids.to(logits.dtype), values]
-        host = torch.cat(columns, dim=1).cpu().tolist()  # the one transfer (and the step's one wait)
+        host = _packed_to_host(logprobs, tokens, k)  # the one transfer (and the step's one wait)
         top = [_top(row, k, p.top_logprobs) for row, p in zip(host, params, strict=True)]
         return Sampled([int(row[0]) for row in host], [row[1] for row in host], top)
 
@@ -338,6 +329,17 @@ def _finite_above(scaled: torch.Tensor) -> torch.Tensor:
     overflowing float32) made the largest finite value: a softmax over it
     then splits between those tokens instead of turning NaN."""
     return scaled.clamp(max=torch.finfo(scaled.dtype).max)
+
+
+def _packed_to_host(logprobs: torch.Tensor, tokens: torch.Tensor, k: int) -> list[list[float]]:
+    """Each row's ``[token, its logprob, k most likely ids, their logprobs]``,
+    packed on the device and copied to the host at once (ids are exact in
+    the logprobs' float type: vocabularies stay below 2**24)."""
+    columns = [tokens.to(logprobs.dtype)[:, None], logprobs.gather(1, tokens[:, None])]
+    if k:
+        values, ids = torch.topk(logprobs, k)
+        columns += [ids.to(logprobs.dtype), values]
+    return torch.cat(columns, dim=1).cpu().tolist()
 
 
 def _top(row: list[float], k: int, wanted: int) -> tuple[list[int], list[float]] | None:

@@ -198,7 +198,6 @@ class Sampling(Body):
     metadata: Any = None
     # refused unless they change nothing (_NO_OP)
     best_of: int | None = None
-    echo: bool | None = None
     prompt_logprobs: Any = None
     response_format: dict[str, Any] | None = None
     skip_special_tokens: bool | None = None
@@ -258,6 +257,7 @@ class ChatCompletionRequest(Sampling):
     audio: Any = None
     web_search_options: Any = None
     verbosity: Any = None
+    echo: bool | None = None  # completions only
     chat_template: Any = None
     documents: Any = None
 
