@@ -46,9 +46,11 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-# NOTE: before torch loads OpenMP (see inference/cli.py): spinning OpenMP
-# workers cost several times per step when processes share two cores.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# NOTE: before torch loads OpenMP: the transformers baselines run in this
+# process with the OpenMP settings the engine's processes get (inference/openmp.py).
+from inference import openmp  # noqa: E402
+
+openmp.set_defaults()
 
 import harness  # noqa: E402
 import torch  # noqa: E402
@@ -398,6 +400,7 @@ def report(args: argparse.Namespace, m: Measured, complete: bool = True) -> dict
             **harness.machine_info(),
             "torch_threads": torch.get_num_threads(),
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+            "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
             **({"gpu": torch.cuda.get_device_name()} if args.device.startswith("cuda") else {}),
         },
         "code": m.code,

@@ -86,6 +86,13 @@ class EngineApp:
     def start(self) -> None:
         self.server.start()
         self.engine.start()
+        if self.settings.metrics_port:
+            from prometheus_client import start_http_server
+
+            from inference.metrics import engine_registry
+
+            registry = engine_registry(self.engine.timings)
+            start_http_server(self.settings.metrics_port, addr="127.0.0.1", registry=registry)
         log.info(
             "engine serving",
             extra={"listen": self.settings.listen, "model": self.info.name, "dtype": self.dtype, "device": self.device,

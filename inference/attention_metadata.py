@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from inference.kernels.launch import LaunchShape
+from inference.step_timings import StepTimings
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +74,25 @@ class DecodeBatch:
     prefix_blocks: torch.Tensor
     own_blocks: torch.Tensor
     own_mask: torch.Tensor
+    _own_buffers: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    def gather_own(self, layer_k: torch.Tensor, layer_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The own blocks' keys and values of one layer ``[B, S * block_size, kv_heads, head_dim]``.
+
+        NOTE: gathered into two buffers made at the first layer and refilled
+        by the others: a fresh tensor of this size per layer is a fresh
+        mapping of the process's memory on the CPU, whose page faults cost
+        more than the copy.
+        """
+        ids = self.own_blocks.flatten()
+        if self._own_buffers is None:
+            shape = (ids.shape[0], *layer_k.shape[1:])
+            self._own_buffers = (layer_k.new_empty(shape), layer_v.new_empty(shape))
+        own_k, own_v = self._own_buffers
+        torch.index_select(layer_k, 0, ids, out=own_k)
+        torch.index_select(layer_v, 0, ids, out=own_v)
+        n = self.own_blocks.shape[0]
+        return own_k.view(n, -1, *own_k.shape[2:]), own_v.view(n, -1, *own_v.shape[2:])
 
 
 @dataclass(frozen=True)
@@ -111,9 +131,11 @@ class AttentionMetadata:
             (its first position plus its new tokens).
         block_tables: per sequence, its block ids covering ``context_lens``.
         write_index: which flattened tokens get their K/V written (a
-            recomputed position of a cached block is read, not rewritten).
-        write_blocks, write_offsets: the block and in-block offset of each
-            written token.
+            recomputed position of a cached block is read, not rewritten);
+            None: every one of them.
+        write_rows: each written token's row in the cache seen as rows of
+            ``[kv_heads, head_dim]``, for layer 0's keys (a layer's keys and
+            values are ``2 * layer`` and ``2 * layer + 1`` blocks of rows further).
         chunk_masks: per sequence, the additive causal mask of a chunk that
             follows cached positions (built once a step, read by every
             layer); None for one query (sees everything) or a chunk that is
@@ -122,6 +144,8 @@ class AttentionMetadata:
         looped: the sequences attended to one by one (all the others).
         before_write: called before each layer writes K/V (the torch
             backend); it raises to stop the forward (the engine's lease check).
+        timings: where the torch backend adds the seconds its calls take
+            (None: not timed; the CPU only, where those calls are synchronous).
     """
 
     kv_cache: torch.Tensor
@@ -130,13 +154,13 @@ class AttentionMetadata:
     context_lens: list[int]
     block_tables: list[torch.Tensor] = field(default_factory=list)
     write_index: torch.Tensor | None = None
-    write_blocks: torch.Tensor | None = None
-    write_offsets: torch.Tensor | None = None
+    write_rows: torch.Tensor | None = None
     chunk_masks: list[torch.Tensor | None] = field(default_factory=list)
     decode: DecodeBatch | None = None
     looped: list[int] | None = None
     window_masks: dict = field(default_factory=dict)
     before_write: Callable[[], None] | None = None
+    timings: StepTimings | None = None
 
     def mask(self, i: int, window: int | None) -> torch.Tensor | None:
         """Sequence ``i``'s chunk mask for a layer with this window (built

@@ -9,11 +9,11 @@ nowhere deeper.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import sys
 import threading
 
+from inference import openmp
 from inference.config import EngineSettings
 from kvd.common import logs
 from kvd.common.config_fields import config_from, settings_of
@@ -32,10 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     refuse_retired_variables("kvd-engine")
     args = parse(COMMAND, argv)
     logs.configure(args.log_level)
-    # NOTE: before torch loads OpenMP. Spinning worker threads cost 3-5x per
-    # step when the cores are shared (daemon, gateway, tests); a dedicated
-    # box may set OMP_WAIT_POLICY=ACTIVE.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    openmp.set_defaults()  # NOTE: before torch loads OpenMP
     from inference.app import EngineApp
 
     try:

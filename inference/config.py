@@ -112,6 +112,13 @@ class EngineSettings:
         convert=operator.not_,
         help="never reuse cached prefixes",
     )
+    metrics_port: int = setting(
+        "--metrics-port",
+        env="KVD_ENGINE_METRICS_PORT",
+        type=click.INT,
+        default=0,
+        help="Prometheus metrics HTTP port on 127.0.0.1 (the step loop's time by phase); 0: none",
+    )
     drain_timeout_s: float = setting(
         "--drain-timeout-s",
         env="KVD_DRAIN_TIMEOUT_S",

@@ -48,6 +48,7 @@ from inference.model_runner import NO_MARK, ForwardMark, ModelRunner
 from inference.requests import Finish, RequestTable, Sequence, Work
 from inference.sampling import Sampler, make_generator, score_tokens
 from inference.step_inputs import Chunk
+from inference.step_timings import StepTimings
 from inference.streams import SampledToken, StreamWriter, TopLogprobs
 from kvd.common.client import DaemonSession, LeaseLapsed
 
@@ -132,7 +133,10 @@ class Engine:
         self.runner: ModelRunner | None = None
         self.requests = RequestTable(config.max_num_seqs, config.token_budget)
         self.sampler = Sampler(eos_token_ids)
-        self.streams = StreamWriter(tokenizer, on_stop=lambda request_id: self.cancel(request_id, Finish.STOP))
+        self.timings = StepTimings()  # read by the metrics port (inference/metrics.py)
+        self.streams = StreamWriter(
+            tokenizer, on_stop=lambda request_id: self.cancel(request_id, Finish.STOP), timings=self.timings
+        )
         self._inbox: queue.SimpleQueue[_InboxMessage] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -214,15 +218,13 @@ class Engine:
             self._take_inbox()
             self._publish_load()
             if not self.requests.has_work and self._forward is None:
-                self._wake.wait(0.5)
-                self._wake.clear()
+                self._idle(0.5)
                 continue
             try:
                 ran = self._step()
                 self._publish_load()
                 if not ran:
-                    self._wake.wait(self.config.idle_poll_s)
-                    self._wake.clear()
+                    self._idle(self.config.idle_poll_s)
             except grpc.RpcError as err:
                 self._lost_daemon(f"the KV-cache daemon is unavailable ({err.code().name}: {err.details()})")
             except LeaseLapsed as err:
@@ -231,22 +233,33 @@ class Engine:
                 log.exception("engine step failed")
                 self._lost_daemon("internal engine error; see the engine's log")
 
+    def _idle(self, timeout_s: float) -> None:
+        started = time.perf_counter()
+        self._wake.wait(timeout_s)
+        self._wake.clear()
+        self.timings.idle_s += time.perf_counter() - started
+
     def _step(self) -> bool:
         """One Step, the last forward's sampling, the next forward. Returns
         False when nothing ran (every request waits in the daemon)."""
         assert self.session is not None and self.runner is not None
+        timings = self.timings
+        timings.begin()
         previous = self._forward
         started = time.monotonic()
         msg = self.requests.build_step(previous.request_ids if previous else ())
         self._wait_unwaited()
         msg.forward_event = self._last_mark.handle
+        timings.lap("schedule")
         reply = self.session.step(msg)
+        timings.lap("step_rpc")
         self.steps += 1
         self._free_blocks = reply.num_free_blocks
         if reply.preempted:
             self.num_preempted += len(reply.preempted)
             log.info("preempted to make room; they will recompute", extra={"requests": list(reply.preempted)})
         step = self.requests.apply_step_reply(reply)
+        timings.lap("apply")
         self._forward = None
         if previous is not None:
             self._read_results(previous)
@@ -254,6 +267,8 @@ class Engine:
             self.streams.finished(seq)
         work = [w for w in step.work if not w.seq.is_finished]  # finished by the results just read
         if not work:
+            timings.lap("results")
+            timings.end("none")
             return previous is not None
         if reply.copy_events:  # host-tier blocks still being copied into the cache (CUDA)
             self.runner.wait_for_copies(reply.copy_events)
@@ -265,10 +280,13 @@ class Engine:
         # this forward is launched on the same stream.
         logits = self.runner.forward(chunks)
         self._last_mark = self.runner.mark_forward()
+        timings.lap("forward")
         self._forward = Forward(work, chunks, logits, started, self._last_mark)
         if not self.config.pipelined:
             self._forward, forward = None, self._forward
             self._read_results(forward)
+        tokens = sum(len(c.token_ids) for c in chunks)
+        timings.end("decode" if tokens == len(chunks) else "mixed", tokens)
         return True
 
     @staticmethod
@@ -307,10 +325,13 @@ class Engine:
             # waited for before the next Step (which commits these blocks), once
             # the next forward is launched.
             self._unwaited = forward
+            self.timings.lap("results")
             return
+        self.timings.lap("results")
         # NOTE: the sequences themselves are the histories: the processors read
         # a row's prompt and output ids only when its params use them.
         sampled = self.sampler.sample(logits, [s.params for s in sampling], [s.generator for s in sampling], sampling)
+        self.timings.lap("sample")
         self._observe_rate(forward)  # reading the sampled tokens waited for the forward
         batch: list[SampledToken] = []
         for i, seq in enumerate(sampling):
@@ -318,6 +339,7 @@ class Engine:
                 continue
             batch.append(self._append_token(seq, sampled.tokens[i], sampled.logprobs[i], sampled.top[i]))
         self.streams.tokens(batch)
+        self.timings.lap("results")
 
     def _score_prompts(self, forward: Forward) -> torch.Tensor:
         """Scores the prompt tokens of the forward's prompt-logit rows, hands
@@ -429,7 +451,7 @@ class Engine:
     def _new_runner(self, cache: torch.Tensor, block_size: int) -> ModelRunner:
         """A runner on the newly mapped cache, its graphs captured on it
         (the cache's address is baked into each graph)."""
-        runner = ModelRunner(self.model, cache, block_size)
+        runner = ModelRunner(self.model, cache, block_size, timings=self.timings)
         if self.config.cuda_graphs:
             c = self.config
             plan = GraphPlan.for_engine(c.max_num_seqs, c.token_budget, c.max_context)

@@ -19,6 +19,7 @@ from inference.attention import BACKENDS
 from inference.attention_metadata import AttentionMetadata, DecodeBatch, chunk_mask
 from inference.kernels.launch import LaunchShape, choose_splits
 from inference.step_inputs import BlockTableRows, Chunk, StepInputs, StepStaging, build_step_inputs
+from inference.step_timings import StepTimings
 
 if TYPE_CHECKING:
     from inference.cuda_graphs import StepGraphs
@@ -65,12 +66,16 @@ class ModelRunner:
             registered paged backend.
         kv_cache: the mapped cache tensor.
         block_size: tokens per block.
+        timings: the engine's step timings (``prepare``, and ``attention`` on the CPU).
     """
 
-    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int) -> None:
+    def __init__(
+        self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int, timings: StepTimings | None = None
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
+        self.timings = timings
         self.device = next(model.parameters()).device
         self.table_rows = BlockTableRows()
         self.staging = StepStaging(self.device)
@@ -136,6 +141,8 @@ class ModelRunner:
             if logits is not None:
                 return logits
         ids, positions, meta, logit_rows = self._prepare(chunks)
+        if self.timings is not None:
+            self.timings.lap("prepare")
         return self.run_model(ids, positions, meta, logit_rows)
 
     def run_model(
@@ -171,6 +178,8 @@ class ModelRunner:
         query_start = inputs.query_start[: inputs.num_seqs + 1].tolist()
         context_lens = inputs.seq_lens[: inputs.num_seqs].tolist()
         meta = AttentionMetadata(self.kv_cache, step, query_start, context_lens, before_write=self.before_write)
+        if self.device.type == "cpu":  # elsewhere a call's wall time is its launch's
+            meta.timings = self.timings
         if self._reads_torch_plan:
             self._plan_torch(meta, inputs)
         return ids, positions, meta, logit_rows
@@ -186,9 +195,9 @@ class ModelRunner:
         slots = inputs.slot_mapping[: inputs.num_tokens]
         index = np.flatnonzero(slots >= 0)
         written = slots[index].astype(np.int64)
-        meta.write_index = torch.from_numpy(index).to(dev)
-        meta.write_blocks = torch.from_numpy(written // bs).to(dev)
-        meta.write_offsets = torch.from_numpy(written % bs).to(dev)
+        meta.write_index = None if len(index) == len(slots) else torch.from_numpy(index).to(dev)
+        rows_per_block = self.kv_cache.shape[1] * 2 * bs  # every layer's keys and values
+        meta.write_rows = torch.from_numpy(written // bs * rows_per_block + written % bs).to(dev)
         widths = [-(-ctx // bs) for ctx in meta.context_lens]
         table = torch.from_numpy(inputs.block_table).to(dev, torch.long)
         meta.block_tables = [table[i, :width] for i, width in enumerate(widths)]  # views of one tensor

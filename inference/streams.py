@@ -27,12 +27,14 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from inference.detokenizer import IncrementalDetokenizer
 from inference.requests import Finish, Sequence
+from inference.step_timings import StepTimings
 
 log = logging.getLogger("inference.streams")
 
@@ -148,11 +150,13 @@ class StreamWriter:
         tokenizer: the model's tokenizer (for text deltas and stop strings).
         on_stop: called with a request id when a stop string ends it (the
             engine's loop then releases it like a cancelled request).
+        timings: where this thread adds the seconds its token batches take (``stream_s``).
     """
 
-    def __init__(self, tokenizer, on_stop: Callable[[str], None]) -> None:
+    def __init__(self, tokenizer, on_stop: Callable[[str], None], timings: StepTimings | None = None) -> None:
         self.tokenizer = tokenizer
         self._on_stop = on_stop
+        self._timings = timings
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # this thread's only
         self._thread = threading.Thread(target=self._run, name="engine-streams", daemon=True)
@@ -194,7 +198,10 @@ class StreamWriter:
             try:
                 match job:
                     case _WriteTokens(batch):
+                        started = time.perf_counter()
                         self._write_tokens(batch)
+                        if self._timings is not None:
+                            self._timings.stream_s += time.perf_counter() - started
                     case _WritePromptLogprobs(seq):
                         first = seq.params.prompt_logprobs_from
                         seq.events.put(StreamPromptLogprobs(first, seq.prompt_logprobs, seq.prompt_top))

@@ -263,7 +263,9 @@ def shared_stack(model_dir):
     """One daemon + float32 engine for a whole test module (tests must not depend on each other's cache)."""
     folder = tempfile.mkdtemp(prefix="kvd-", dir="/tmp")
     daemon = start_daemon(["--block-size", "16", "--num-blocks", "256", "--lease-s", "2"], folder)
-    engine = start_engine(daemon, ["--model", str(model_dir)], folder)
+    metrics_port = free_port()
+    engine = start_engine(daemon, ["--model", str(model_dir), "--metrics-port", str(metrics_port)], folder)
+    engine.metrics_port = metrics_port  # its step timings (inference/metrics.py)
     yield engine
     engine.stop()
     daemon.stop()

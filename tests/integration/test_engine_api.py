@@ -151,3 +151,32 @@ def test_health_and_reflection(shared_stack):
         health = health_pb2_grpc.HealthStub(channel)
         reply = health.Check(health_pb2.HealthCheckRequest(service="kvd.engine.v1.Engine"))
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_the_metrics_port_times_the_steps_by_phase(shared_stack, engine, tokenizer):
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scraped() -> dict[tuple[str, tuple], float]:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{shared_stack.metrics_port}/metrics", timeout=10).read()
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text.decode()) for s in family.samples}  # fmt: skip
+
+    before = scraped()
+    generate(engine, request(tokenizer.encode("Count to ten:", add_special_tokens=False), 8))
+    after = scraped()
+
+    def grew(name: str, **labels) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after[key] - before.get(key, 0.0)
+
+    assert grew("kvd_engine_steps_total", kind="mixed") >= 1  # the prompt
+    assert grew("kvd_engine_steps_total", kind="decode") >= 6  # 7 tokens after the first, some may share a step
+    assert grew("kvd_engine_step_tokens_total", kind="decode") >= 6
+    for phase in ("step_rpc", "sample", "forward", "attention"):
+        assert grew("kvd_engine_step_seconds_total", kind="decode", phase=phase) > 0, phase
+    assert grew("kvd_engine_step_seconds_total", kind="decode", phase="attention") < grew(
+        "kvd_engine_step_seconds_total", kind="decode", phase="forward"
+    )
+    assert grew("kvd_engine_stream_seconds_total") > 0

@@ -152,3 +152,26 @@ def test_very_uneven_decodes_are_not_padded():
     ]
     _, _, meta, _ = runner()._prepare(chunks)
     assert meta.decode is None and meta.looped is None
+
+
+@pytest.mark.parametrize("name", ["shared prefix", "nothing shared"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_fused_cpu_decodes_equal_the_explicit_products(name, dtype):
+    """The CPU's fused kernel (two parts merged by their log-sum-exps) against
+    the explicit products the GPU and the capped or windowed layers take."""
+    from inference.attention import _attend_decodes_explicit, _attend_decodes_fused
+    from inference.attention_metadata import LayerAttention
+
+    r = runner()
+    r.kv_cache = r.kv_cache.to(dtype)
+    _, _, meta, _ = r._prepare(CASES[name])
+    batch = meta.decode
+    query, _ = inputs(meta.query_start[-1])
+    q = query[0].to(dtype)
+    layer_k, layer_v = r.kv_cache[:, 1, 0], r.kv_cache[:, 1, 1]
+    layer = LayerAttention(scale=DIM**-0.5, window=None, softcap=None)
+    fused = _attend_decodes_fused(q, layer_k, layer_v, batch, layer.scale)
+    explicit = _attend_decodes_explicit(q, layer_k, layer_v, batch, layer, None)
+    tolerance = 1e-12 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(fused, explicit, rtol=tolerance, atol=tolerance)
+    assert bool(batch.prefix_blocks.numel()) == (name == "shared prefix")  # both parts are exercised
