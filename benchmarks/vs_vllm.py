@@ -258,9 +258,9 @@ def run_workloads(python, base_url: str, model: str, model_dir: Path, counts: di
         before = {k: f() for k, f in cpu.items()}
         scraped = scrape(metrics_port) if metrics_port else None
         began = time.perf_counter()
-        m = field_client.serve_bench(python, base_url, model, model_dir, own_len, OUTPUT_LEN, counts[count],
-                                     CONCURRENCY, backend=backend, seed=seed, prefix_len=prefix_len, temperature=0,
-                                     extra_metrics=("duration", "total_input_tokens"))  # fmt: skip
+        run = field_client.BenchRun(base_url, model, model_dir, own_len, OUTPUT_LEN, counts[count], CONCURRENCY,
+                                    backend=backend, seed=seed, prefix_len=prefix_len, temperature=0)  # fmt: skip
+        m = field_client.serve_bench(python, run, extra_metrics=("duration", "total_input_tokens"))
         used = {k: f() - before[k] for k, f in cpu.items()}
         tokens, wall = m.get("total_output_tokens") or 0, m.get("duration") or 0.0
         m["cpu_s_per_output_token"] = {k: s / tokens if tokens else None for k, s in used.items()}
@@ -402,8 +402,8 @@ def client_workloads(served: str, model_dir: Path, counts: dict[str, int]) -> di
     out = {}
     for w, (backend, prefix_len, own_len, count) in WORKLOADS.items():
         n = counts[count]
-        args = field_client.serve_bench_args("BASE_URL", served, model_dir, own_len, OUTPUT_LEN, n, CONCURRENCY,
-                                             backend=backend, prefix_len=prefix_len, temperature=0)  # fmt: skip
+        args = field_client.BenchRun("BASE_URL", served, model_dir, own_len, OUTPUT_LEN, n, CONCURRENCY,
+                                     backend=backend, prefix_len=prefix_len, temperature=0).args()  # fmt: skip
         out[w] = {"num_prompts": n, "args": args}
     return out
 
