@@ -50,7 +50,8 @@ class StepTimings:
         self._lap_start = 0.0
 
     def begin(self) -> None:
-        """Starts a step's stopwatch."""
+        """Starts a step's stopwatch (what a step cut short by an error lapped is dropped)."""
+        self._step = dict.fromkeys(PHASES, 0.0)
         self._lap_start = time.perf_counter()
 
     def lap(self, phase: str) -> None:
@@ -68,6 +69,5 @@ class StepTimings:
         totals, step = self.seconds[kind], self._step
         for phase in PHASES:
             totals[phase] += step[phase]
-            step[phase] = 0.0
         self.steps[kind] += 1
         self.tokens[kind] += tokens

@@ -36,3 +36,13 @@ def test_the_metrics_port_exports_the_sums():
     assert 'kvd_engine_step_tokens_total{kind="decode"} 4.0' in text
     assert "kvd_engine_idle_seconds_total 2.0" in text
     assert "kvd_engine_stream_seconds_total 0.125" in text
+
+
+def test_a_step_cut_short_charges_nothing_to_the_next():
+    t = StepTimings()
+    t.begin()
+    t.add("step_rpc", 5.0)  # the Step call raised: no end()
+    t.begin()
+    t.add("forward", 0.5)
+    t.end("decode", tokens=1)
+    assert t.seconds["decode"]["step_rpc"] == 0.0 and t.seconds["decode"]["forward"] == 0.5
