@@ -156,10 +156,17 @@ class TemplateKeeper:
                 with self._lock:
                     self._refused.setdefault(cache_id, set()).add(member)
             raise
-        with self._lock:
-            self._pinned.setdefault(cache_id, set()).add(member)
+        # NOTE: into the warm set before into ``_pinned``: a round unpins what it
+        # finds pinned and not in the warm set it read, so a pin must never be
+        # visible there before its member is (see ``reconcile``). Recorded even
+        # if marking fails, so that a later round unpins it. Placed first, so
+        # that a round seeing the member warm does not warm it a second time.
         self.router.place(member, address)
-        self.store.mark_warm(template.tenant, template.name)
+        try:
+            self.store.mark_warm(template.tenant, template.name)
+        finally:
+            with self._lock:
+                self._pinned.setdefault(cache_id, set()).add(member)
         self.store.set_cached_tokens(template.tenant, template.name, reply.pinned_tokens)
         return reply.pinned_tokens
 
@@ -187,6 +194,11 @@ class TemplateKeeper:
 
     def reconcile(self) -> None:
         """One round: note new caches, place live templates, unpin the rest."""
+        # Only pins taken before the warm set is read may be unpinned as
+        # unwanted: a template created meanwhile (``warm`` runs on request
+        # threads) is pinned after this read and is not in it.
+        with self._lock:
+            pinned_before = {cache_id: set(members) for cache_id, members in self._pinned.items()}
         try:
             members = self.store.warm_members()
             live = {m for m, alive in zip(members, self.store.live(members), strict=True) if alive}
@@ -195,7 +207,7 @@ class TemplateKeeper:
             self._forget_gone_caches()
             for member in sorted(live):
                 self._place(member)
-            self._unpin_unwanted(live)
+            self._unpin_unwanted(live, pinned_before)
             for member in sorted(set(members) - live):
                 if self.release(*split_warm_member(member)):
                     log.info("template gone; unpinned", extra={"template": member})
@@ -265,10 +277,10 @@ class TemplateKeeper:
             log.info("template warmed and pinned", extra={"template": member, "engine": address})
             return
 
-    def _unpin_unwanted(self, live: set[str]) -> None:
+    def _unpin_unwanted(self, live: set[str], pinned_before: dict[str, set[str]]) -> None:
         for cache_id in self.router.serving_by_cache():
             with self._lock:
-                pinned = set(self._pinned.get(cache_id, ()))
+                pinned = self._pinned.get(cache_id, set()) & pinned_before.get(cache_id, set())
             for member in pinned:
                 if member not in live or self.router.cache_of(self.router.placement(member)) != cache_id:
                     self._unpin(cache_id, member)

@@ -224,3 +224,40 @@ def test_a_template_moves_to_a_cache_ranked_before_its_own_once_that_one_serves(
     assert pool.router.placement(member) == first
     assert pool.replicas[first].cache.pins == {pin_id("acme", "bot")}
     assert not pool.replicas[second].cache.pins  # unpinned where it is no longer wanted
+
+
+def test_a_template_warmed_while_a_round_runs_keeps_its_pin(store):
+    """``warm`` runs on a request thread and a round on the keeper's: a pin
+    taken after the round read the warm set is not the round's to unpin."""
+    pool = pool_of(FakeCache("a"))
+    keeper = TemplateKeeper(store, pool)
+    replica = pool.replicas[REPLICAS[0]]
+    real_info = replica.info
+
+    def info_while_a_template_is_created(timeout_s=None):
+        replica.info = real_info  # once
+        keeper.warm(create(store, "bot"))  # after the round read the warm set
+        return real_info(timeout_s)
+
+    replica.info = info_while_a_template_is_created
+    keeper.reconcile()
+    keeper.reconcile()
+    assert replica.cache.pins == {pin_id("acme", "bot")} and keeper.pinned_on(REPLICAS[0]) == 1
+
+
+def test_a_round_between_a_warms_pin_and_its_warm_set_entry_keeps_the_pin(store, monkeypatch):
+    pool = pool_of(FakeCache("a"))
+    keeper = TemplateKeeper(store, pool)
+    keeper.reconcile()  # learns the cache
+    real_mark_warm = store.mark_warm
+
+    def mark_warm_after_a_round(tenant, name):
+        keeper.reconcile()  # the keeper's thread, while the pin is taken and not yet in the warm set
+        real_mark_warm(tenant, name)
+
+    monkeypatch.setattr(store, "mark_warm", mark_warm_after_a_round)
+    keeper.warm(create(store, "bot"))
+    monkeypatch.setattr(store, "mark_warm", real_mark_warm)
+    keeper.reconcile()
+    assert pool.replicas[REPLICAS[0]].cache.pins == {pin_id("acme", "bot")}
+    assert keeper.pinned_on(REPLICAS[0]) == 1
