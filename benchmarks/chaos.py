@@ -63,6 +63,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--http-clients", type=int, default=1)
     p.add_argument("--faults", default=",".join(FAULTS), help="a comma-separated subset, in the schedule's order")
     p.add_argument("--model", default="smollm2")
+    p.add_argument("--workdir", help="keep the processes' logs here (default: a temporary folder)")
     args = p.parse_args(argv)
     args.calm_s = args.calm_s if args.calm_s is not None else (4.0 if args.quick else 30.0)
     args.prompts = args.prompts or (4 if args.quick else 12)
@@ -86,7 +87,8 @@ class ChaosStack:
         self.engines = [
             harness.EngineProcess(folder, self.daemon.address, engine_args, name=f"engine-{i}") for i in range(2)
         ]
-        gateway_args = ["--redis-url", self.redis.url, "--log-level", "warning"]
+        # info: the replicas it sees come and go are in its log (``describe``).
+        gateway_args = ["--redis-url", self.redis.url, "--log-level", "info"]
         self.gateway = harness.GatewayProcess(folder, ",".join(e.address for e in self.engines), gateway_args, True)
 
     def start(self) -> None:
@@ -114,6 +116,20 @@ class ChaosStack:
                 return sum(r.serving for r in client.info().replicas) == len(self.engines)
         except Exception:  # noqa: BLE001 - any failure means: not yet
             return False
+
+    def describe(self) -> str:
+        """What the gateway sees of its replicas and each process's last log
+        lines: why the stack is not whole."""
+        from gateway.client import GatewayClient
+
+        try:
+            with GatewayClient(self.gateway.address, timeout_s=5) as client:
+                seen = ", ".join(f"{r.address} serving={r.serving}" for r in client.info().replicas)
+        except Exception as exc:  # noqa: BLE001 - the answer is what failed
+            seen = f"Info failed: {exc}"
+        children = [self.redis, self.daemon, *self.engines, self.gateway]
+        tails = "".join(f"\n--- {child.log_path.name}\n{child.log_tail(15)}" for child in children)
+        return f"the gateway sees: {seen}{tails}"
 
     def daemon_stats(self):
         from kvd.common.client import DaemonClient
@@ -214,7 +230,7 @@ def run_fault(stack: ChaosStack, load: Load, name: str, calm_s: float) -> dict[s
     harness.log(f"fault: {name}")
     INJECT[name](stack)
     if not harness.wait_for(stack.whole, WHOLE_TIMEOUT_S, 0.1):
-        raise RuntimeError(f"{name}: the stack was not whole again after {WHOLE_TIMEOUT_S:.0f} s")
+        raise RuntimeError(f"{name}: the stack was not whole again after {WHOLE_TIMEOUT_S:.0f} s; {stack.describe()}")
     whole_at = time.monotonic()
     if not harness.wait_for(lambda: load.first_ok_after(fault_at) is not None, WHOLE_TIMEOUT_S, 0.1):
         raise RuntimeError(f"{name}: no request succeeded after the fault")

@@ -54,9 +54,12 @@ _PASSED_ON = frozenset(
 
 # NOTE: gRPC's default reconnect backoff grows to two minutes: an engine that
 # restarted would stay unreachable through this channel long after it serves.
+# grpc.min_reconnect_backoff_ms is left alone: despite its name it is the least
+# time a connection attempt is given (gRPC's MIN_CONNECT_TIMEOUT, 20 s). At
+# 200 ms, an engine whose handshake took a second on a loaded machine was never
+# reached again after a restart (every attempt cut short, tried again, cut short).
 _RECONNECT = [
     ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 # A tokenizer's files (TokenizerFiles) can pass the default 4 MiB limit.
@@ -193,7 +196,8 @@ class ReplicaPool:
 
     def mark_down(self, address: str) -> None:
         """A call found ``address`` unavailable: route around it until its health says otherwise."""
-        self.router.set_serving(address, False)
+        if self.router.set_serving(address, False):
+            log.info("engine replica down: a call found it unavailable", extra={"engine": address})
 
     def await_serving(self, tried: Mapping[str, int], timeout_s: float) -> bool:
         """Waits, at most ``timeout_s`` and ``replica_wait_s``, for a replica
@@ -237,8 +241,9 @@ class ReplicaPool:
             self._set_addresses(self._resolve(self.endpoints))
         for address, link in self.links().items():
             serving = _serving(link)
-            if serving is not None:
-                self.router.set_serving(address, serving)
+            if serving is not None and self.router.set_serving(address, serving):
+                log.info("engine replica serving" if serving else "engine replica down: its health check failed",
+                         extra={"engine": address})  # fmt: skip
         self.on_health(bool(self.router.serving()))
 
     def _set_addresses(self, addresses: list[str]) -> None:

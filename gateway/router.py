@@ -99,16 +99,19 @@ class Router:
                 self._replicas[address] = ReplicaState(address, next(free), rate=rate_terms(None, self.config)[0])
             self._candidates = self._among = None
 
-    def set_serving(self, address: str, serving: bool) -> None:
+    def set_serving(self, address: str, serving: bool) -> bool:
+        """Whether this changed what ``address`` was known to do."""
         with self._lock:
-            if (replica := self._replicas.get(address)) is not None and replica.serving != serving:
-                replica.serving = serving
-                if serving:
-                    replica.comebacks += 1
-                else:
-                    replica.stopped_at = self._clock()
-                self._candidates = self._among = None
-                self._serving_changed.notify_all()
+            if (replica := self._replicas.get(address)) is None or replica.serving == serving:
+                return False
+            replica.serving = serving
+            if serving:
+                replica.comebacks += 1
+            else:
+                replica.stopped_at = self._clock()
+            self._candidates = self._among = None
+            self._serving_changed.notify_all()
+            return True
 
     def comebacks(self, address: str) -> int:
         """Times ``address`` started serving (see ``refusers``)."""
