@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from inference import attention, model_identity, model_store, model_support
+from inference import attention, cpu_linear, model_identity, model_store, model_support
 from inference.config import EngineConfig, EngineSettings
 from inference.engine import Engine
 from inference.service import EngineService, ModelInfo, build_server
@@ -40,6 +40,8 @@ class EngineApp:
         path = model_store.resolve_model(settings.model, cache_dir)
         model_support.check_supported(model_store.load_config(path))  # before loading any weights
         self.model = model_store.load_model(path, model_store.parse_dtype(self.dtype), self.device)
+        if self.device == "cpu" and (packed := cpu_linear.pack_linears(self.model)):
+            log.info("linear layers on oneDNN, weights packed", extra={"layers": packed})
         self.tokenizer = model_store.load_tokenizer(path)
         self.spec = model_store.model_spec(self.model.config, self.model.generation_config)
         self.backend = attention.choose_backend(settings.attention_backend, self.device)
