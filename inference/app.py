@@ -40,7 +40,7 @@ class EngineApp:
         path = model_store.resolve_model(settings.model, cache_dir)
         model_support.check_supported(model_store.load_config(path))  # before loading any weights
         self.model = model_store.load_model(path, model_store.parse_dtype(self.dtype), self.device)
-        if self.device == "cpu" and (packed := cpu_linear.pack_linears(self.model)):
+        if packed := cpu_linear.pack_linears(self.model):  # float32 on the CPU only
             log.info("linear layers on oneDNN, weights packed", extra={"layers": packed})
         self.tokenizer = model_store.load_tokenizer(path)
         self.spec = model_store.model_spec(self.model.config, self.model.generation_config)

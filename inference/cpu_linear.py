@@ -14,12 +14,8 @@ run in float64.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
-
-log = logging.getLogger("inference.cpu_linear")
 
 
 def available() -> bool:
@@ -54,8 +50,7 @@ def pack_linears(model: nn.Module) -> int:
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            weight = getattr(child, "weight", None)
-            if type(child) is nn.Linear and weight.dtype == torch.float32 and weight.device.type == "cpu":
+            if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
                 setattr(parent, name, PackedLinear(child))
                 swapped += 1
     return swapped

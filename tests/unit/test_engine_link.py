@@ -17,6 +17,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 
 from gateway.replicas import ReplicaPool
 from gateway.router import Router
+from tests.conftest import wait_for
 
 #: How long the engine's first bytes (its HTTP/2 settings) take to reach the gateway.
 HANDSHAKE_DELAY_S = 1.5
@@ -74,9 +75,7 @@ def test_an_engine_whose_handshake_is_slow_is_still_reached_and_seen_serving(slo
     pool = ReplicaPool([slow_engine], router, health_interval_s=0.2, resolve=list)
     pool.start()
     try:
-        deadline = time.monotonic() + 60  # far past the handshake: a channel that cuts it short never gets there
-        while router.serving() != [slow_engine] and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert router.serving() == [slow_engine]
+        # 60 s: far past the handshake; a channel that cuts it short never gets there.
+        assert wait_for(lambda: router.serving() == [slow_engine], timeout_s=60, interval_s=0.1), router.serving()
     finally:
         pool.stop()
