@@ -397,20 +397,27 @@ class Engine:
             seq.first_token_s = time.monotonic()
         seq.output_ids.append(token)
         seq.output_logprobs.append(logprob)
-        params = seq.params
-        # The sampler masks EOS and the stop ids while the output is shorter
-        # than min_tokens; this only keeps a forced one from ending it early.
-        may_stop = len(seq.output_ids) >= params.min_tokens
-        if may_stop and token in self.eos_token_ids and not params.ignore_eos:
-            seq.finish = Finish.EOS
-        elif may_stop and token in params.stop_token_ids:
-            seq.finish = Finish.STOP
-        elif len(seq.output_ids) >= params.max_new_tokens:
-            seq.finish = Finish.LENGTH
+        seq.finish = self._finish_after(seq, token)
         self.requests.sampled(seq, token)
         if seq.finish is not None:
             self._finished(seq)
         return SampledToken(seq, token, logprob, top, final=seq.finish is not None)
+
+    def _finish_after(self, seq: Sequence, token: int) -> Finish | None:
+        """How ``token`` (just appended) ends ``seq``, if it does."""
+        params = seq.params
+        if seq.grammar is not None and (ended := _grammar_finish(seq, token)) is not None:
+            return ended
+        # The sampler masks EOS and the stop ids while the output is shorter
+        # than min_tokens; this only keeps a forced one from ending it early.
+        may_stop = len(seq.output_ids) >= params.min_tokens
+        if may_stop and token in self.eos_token_ids and not params.ignore_eos:
+            return Finish.EOS
+        if may_stop and token in params.stop_token_ids:
+            return Finish.STOP
+        if len(seq.output_ids) >= params.max_new_tokens:
+            return Finish.LENGTH
+        return None
 
     def _finished(self, seq: Sequence) -> None:
         self.requests.finished(seq)
@@ -527,3 +534,15 @@ class Engine:
             return
         with contextlib.suppress(grpc.RpcError):  # the daemon is gone; its lease lapses
             session.detach()
+
+
+def _grammar_finish(seq: Sequence, token: int) -> Finish | None:
+    """Moves a constrained sequence's grammar past ``token``: EOS when the
+    grammar took it as its end (even with ignore_eos: nothing may follow),
+    STOP when it forbade it, which only a row with every token masked can
+    draw (min_tokens masking the one EOS a finished grammar allows)."""
+    assert seq.grammar is not None
+    if not seq.grammar.accept(token):
+        log.warning("a sampled token broke its grammar: the output ends", extra={"request": seq.request_id})
+        return Finish.STOP
+    return Finish.EOS if seq.grammar.finished else None

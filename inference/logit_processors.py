@@ -10,6 +10,8 @@ In vLLM's order, on the rows that ask for any of them:
     frequency_penalty,  logit[t] -= frequency_penalty * count[t]
     presence_penalty               + presence_penalty * (count[t] > 0)
                         (OpenAI's formula; count: t's occurrences in the output)
+    constraint          logit[t] = -inf for each t the row's grammar does not
+                        allow next (``inference.constraints``)
 
 Greedy rows take the argmax of the result and draws start from it
 (temperature, min_p, top_k, top_p: ``inference.sampling``); logprobs stay
@@ -29,15 +31,20 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from inference.constraints import mask_logits
+
 if TYPE_CHECKING:
+    from inference.constraints import GrammarState
     from inference.sampling import SamplingParams
 
 
 class TokenHistory(Protocol):
-    """A row's tokens so far (the engine passes its ``Sequence``)."""
+    """A row's tokens so far and, with a constraint, where they stand in its
+    grammar (the engine passes its ``Sequence``)."""
 
     prompt_ids: list[int]
     output_ids: list[int]
+    grammar: GrammarState | None
 
 
 class _NoHistory:
@@ -45,6 +52,7 @@ class _NoHistory:
 
     prompt_ids: list[int] = []
     output_ids: list[int] = []
+    grammar: GrammarState | None = None
 
 
 NO_HISTORY = _NoHistory()
@@ -84,13 +92,14 @@ def process_logits(
     _mask_until_min_tokens(processed, picked, picked_histories, eos_token_ids)
     if any(p.penalizes for p in picked):
         processed = _penalize(processed, picked, picked_histories)
+    mask_logits(processed, [h.grammar for h in picked_histories])
     return logits.index_copy(0, index, processed)
 
 
 def _applies(p: SamplingParams, history: TokenHistory) -> bool:
     """Whether any processor of ``p`` changes the row now (min_tokens stops
     mattering once the output is long enough)."""
-    return bool(p.logit_bias) or p.penalizes or len(history.output_ids) < p.min_tokens
+    return bool(p.logit_bias) or p.penalizes or len(history.output_ids) < p.min_tokens or history.grammar is not None
 
 
 def _add_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:

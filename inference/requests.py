@@ -31,6 +31,7 @@ from inference.sampling import SamplingParams
 from kvd_api.daemon.v1 import daemon_pb2 as pb
 
 if TYPE_CHECKING:
+    from inference.constraints import GrammarState
     from inference.streams import StreamEvent
 
 #: Prompt tokens sent in one Step at most (at least one request goes): a burst
@@ -65,6 +66,8 @@ class Sequence:
         prompt_logprobs: the prompt's scored tokens so far (``params.prompt_logprobs``),
             from position ``params.prompt_logprobs_from`` on.
         prompt_top: their most likely tokens, when asked for.
+        grammar: with a constraint, where its output stands in the
+            constraint's grammar (the sampler masks what it forbids).
         events: what the gRPC handler streams out (``inference.streams``):
             ``StreamTokens``, then one ``StreamFinished`` or ``StreamError``.
     """
@@ -91,6 +94,7 @@ class Sequence:
     events: queue.SimpleQueue[StreamEvent] = field(default_factory=queue.SimpleQueue)
     prompt_logprobs: list[float] = field(default_factory=list)
     prompt_top: list[tuple[list[int], list[float]]] = field(default_factory=list)
+    grammar: GrammarState | None = None
 
     @property
     def all_ids(self) -> list[int]:

@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import torch
 
+from inference.constraints import Constraint
 from inference.logit_processors import TokenHistory, host_to, process_logits
 from kvd.common.field_error import FieldError
 
@@ -58,6 +59,9 @@ class SamplingParams:
             each scored position.
         prompt_logprobs_from: the first prompt position scored (>= 1: the
             first token has no logprob).
+        constraint: what the output must match (``inference.constraints``):
+            the tokens its grammar does not allow next are masked, after
+            the other processors.
 
     The processors (logit_bias, the min_tokens mask, the penalties) change
     greedy choices too; logprobs stay those of the model's own distribution.
@@ -83,6 +87,7 @@ class SamplingParams:
     prompt_logprobs: bool = False
     prompt_top_logprobs: int = 0
     prompt_logprobs_from: int = 1
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -144,7 +149,7 @@ class SamplingParams:
     def processes_logits(self) -> bool:
         """Some processor may change its logits (checked once per row and step;
         a request that sets none costs nothing)."""
-        return bool(self.penalizes or self.logit_bias or self.min_tokens)
+        return bool(self.penalizes or self.logit_bias or self.min_tokens or self.constraint)
 
 
 def make_generator(seed: int | None) -> torch.Generator:

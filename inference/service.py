@@ -6,6 +6,7 @@ import functools
 import logging
 import secrets
 import tempfile
+import threading
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from inference.constraints import Constraint, GrammarCompiler, GrammarState
 from inference.engine import Engine, EngineUnavailable
 from inference.requests import Finish, Sequence
 from inference.sampling import SamplingParams
@@ -85,6 +87,23 @@ class EngineService(pb_grpc.EngineServicer):
         self.info = info
         self.prefix_caching = prefix_caching
         self._drain = drain
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
+
+    def _grammars(self) -> GrammarCompiler:
+        """The engine's grammar compiler, made by the first constrained request."""
+        with self._grammars_lock:
+            if self._grammar_compiler is None:
+                i = self.info
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, i.vocab_size, i.eos_token_ids)
+            return self._grammar_compiler
+
+    def _grammar_state(self, constraint: Constraint) -> GrammarState:
+        """Compiled here, on the request's own thread: the step loop never waits for a grammar."""
+        try:
+            return self._grammars().state(constraint)
+        except FieldError as exc:
+            raise exc.within("sampling") from None
 
     def _salt(self, requested: bytes) -> bytes:
         return requested if self.prefix_caching else secrets.token_bytes(16)
@@ -98,6 +117,8 @@ class EngineService(pb_grpc.EngineServicer):
         self._check_bias_ids(params.logit_bias)
         self._check_fits(len(prompt), params.max_new_tokens)
         seq = Sequence(uuid.uuid4().hex, prompt, params, cache_salt=self._salt(request.cache_salt))
+        if params.constraint is not None:
+            seq.grammar = self._grammar_state(params.constraint)
         response_id = request.request_id or seq.request_id
         yield from self._stream(seq, response_id, context)
 
@@ -367,6 +388,7 @@ def _sampling_params(msg: pb.SamplingParams, default_max_new_tokens: int) -> Sam
         prompt_logprobs=msg.prompt_logprobs,
         prompt_top_logprobs=msg.prompt_top_logprobs,
         prompt_logprobs_from=msg.prompt_logprobs_from or 1,
+        constraint=Constraint.from_pb(msg.constraint),
     )
 
 
