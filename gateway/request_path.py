@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from gateway import tool_calls
 from gateway.keeper import TemplateKeeper
 from gateway.prompts import own_ids, template_ids, templated_ids
 from gateway.relay import CallLifetime, EngineRequest, Relay
@@ -124,8 +125,11 @@ class RequestPath:
     # --------------------------------------------------------- generation
 
     def generate(self, tenant: str, request: pb.GenerateRequest, call: CallLifetime) -> Iterator[pb.GenerateResponse]:
-        """The request's replies as they come (a generator: nothing runs before the first ``next``)."""
-        yield from self.relay.stream(tenant, self.engine_request(tenant, request), call)
+        """The request's replies as they come (a generator: nothing runs before the first ``next``);
+        with tools, the calls the model made on the last one (``gateway.tool_calls``)."""
+        replies = self.relay.stream(tenant, self.engine_request(tenant, request), call)
+        calls = tool_calls.reader(request)
+        yield from replies if calls is None else calls.relay(replies)
 
     def complete(self, tenant: str, request: pb.GenerateRequest, call: CallLifetime) -> pb.GenerateResponse:
         """The request's replies as one."""
@@ -139,6 +143,7 @@ class RequestPath:
         check_generate(request)
         out = epb.GenerateRequest(cache_salt=tenant_salt(tenant, request.cache_salt))
         out.sampling.CopyFrom(request.sampling)
+        tool_calls.constrain(out.sampling, request)
         kind = request.WhichOneof("prompt")
         if request.template:
             template = self.templates.get(tenant, request.template)
@@ -283,6 +288,7 @@ def add_message(whole: pb.GenerateResponse, message: pb.GenerateResponse) -> Non
     whole.top_logprobs.extend(message.top_logprobs)
     if message.HasField("prompt_logprobs"):
         whole.prompt_logprobs.CopyFrom(message.prompt_logprobs)
+    whole.tool_calls.extend(message.tool_calls)
     if message.HasField("usage"):
         whole.finish_reason = message.finish_reason
         whole.usage.CopyFrom(message.usage)

@@ -90,11 +90,13 @@ def chat_of(
     messages: Sequence[Message], add_generation_prompt: bool, like: epb.ChatPrompt | None = None
 ) -> epb.ChatPrompt:
     """A chat prompt of ``messages`` (role, content), rendered as ``like`` says
-    (its ``continue_final_message`` and ``chat_template_kwargs``), if given."""
+    (its ``continue_final_message``, ``chat_template_kwargs`` and tools), if given."""
     prompt = epb.ChatPrompt(add_generation_prompt=add_generation_prompt)
     if like is not None:
         prompt.continue_final_message = like.continue_final_message
         if like.HasField("chat_template_kwargs"):
             prompt.chat_template_kwargs.CopyFrom(like.chat_template_kwargs)
+        prompt.tools.extend(like.tools)
+        prompt.tool_prompt = like.tool_prompt
     prompt.messages.extend(epb.ChatMessage(role=role, content=content) for role, content in messages)
     return prompt

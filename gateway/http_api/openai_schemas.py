@@ -5,16 +5,19 @@ Every field either works, changes nothing (and is accepted), or is refused:
 - implemented: the sampling fields of OpenAI's chat and completions
   references and vLLM's extras (``top_k``, ``min_p``, penalties,
   ``logit_bias``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
-  ``include_stop_str_in_output``), messages with ``name`` and text parts,
+  ``include_stop_str_in_output``), output constraints (``response_format``,
+  vLLM's ``structured_outputs`` and ``guided_*``: ``openai_constraints``),
+  ``tools``, ``tool_choice``, ``parallel_tool_calls``, assistant messages
+  with ``tool_calls`` and ``tool`` messages, messages with ``name`` and text parts,
   ``add_generation_prompt``, ``continue_final_message``,
   ``chat_template_kwargs``, kvd's ``template``; on completions ``echo``
   (with ``logprobs``: the prompt's logprobs) and ``max_tokens`` 0 with it;
 - accepted, changing nothing (``_NO_OP`` lists the values that do): ``user``,
   ``safety_identifier``, ``store``, ``metadata``, ``best_of`` of 1,
-  ``tools`` empty... and ``null`` for any field;
+  and ``null`` for any field;
 - refused with a 400 naming the field: a value of ``_NO_OP``'s fields that
-  would change the reply (``best_of`` > 1, a chat's ``echo``, tools, a JSON response
-  format...), as kvd would silently break its meaning;
+  would change the reply (``best_of`` > 1, a chat's ``echo``, the legacy
+  ``functions``...), as kvd would silently break its meaning;
 - any other field is ignored: ``ignored_fields`` names it (the route logs
   it once and lists it in the ``x-kvd-ignored-fields`` header), as vLLM
   ignores fields it does not know.
@@ -41,11 +44,8 @@ _NO_OP: dict[str, tuple] = {
     "echo": (False,),
     "suffix": ("",),
     "prompt_logprobs": (),
-    "tools": ([],),
-    "tool_choice": ("none",),
     "functions": ([],),
     "function_call": ("none",),
-    "response_format": ({"type": "text"},),
     "modalities": (["text"],),
     "audio": (),
     "web_search_options": (),
@@ -57,11 +57,6 @@ _NO_OP: dict[str, tuple] = {
     "allowed_token_ids": (),
     "bad_words": ([],),
     "truncate_prompt_tokens": (),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
-    "structured_outputs": (),
     "chat_template": (),
     "documents": (),
 }
@@ -69,11 +64,8 @@ _WHY = {
     "best_of": "one choice per prompt (best_of > 1 is not supported yet)",
     "echo": "echo is only supported on /v1/completions",
     "prompt_logprobs": "vLLM's prompt_logprobs is not supported; /v1/completions gives them with echo and logprobs",
-    "tools": "tool calling is not supported yet",
-    "tool_choice": "tool calling is not supported yet",
-    "functions": "function calling is not supported yet",
-    "function_call": "function calling is not supported yet",
-    "response_format": "structured output is not supported yet (only {'type': 'text'})",
+    "functions": "the legacy functions API is not supported: give tools and tool_choice",
+    "function_call": "the legacy functions API is not supported: give tools and tool_choice",
 }
 
 
@@ -120,13 +112,48 @@ class ContentPart(Body):
         return (self.text if self.type == "text" else self.refusal) or ""
 
 
+class CalledFunction(Body):
+    name: str = Field(min_length=1)
+    arguments: str = ""  # a JSON object, as JSON text
+
+
+class ToolCall(Body):
+    """A call an assistant's message made, sent back in the conversation."""
+
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class FunctionSpec(Body):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: any object
+    strict: bool | None = None  # kvd always enforces a forced call's schema
+
+
+class Tool(Body):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(Body):
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(Body):
     """A message; the fields an assistant's reply carries, sent back as the client got it, are accepted null."""
 
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None  # a tool message: the call it answers
     function_call: Any = None
     refusal: str | None = None
     audio: Any = None
@@ -145,12 +172,18 @@ class ChatMessage(Body):
 
     @model_validator(mode="after")
     def _plain_message(self):
-        if self.role in ("tool", "function"):
-            raise FieldError("messages", f"messages: role {self.role!r}: tool calling is not supported yet")
-        if self.role not in ("system", "developer", "user", "assistant"):
-            raise FieldError("messages", f"messages: role {self.role!r}: give system, developer, user or assistant")
-        if self.tool_calls or self.function_call is not None:
-            raise FieldError("messages", "messages: tool calls: tool calling is not supported yet")
+        if self.role == "function":
+            raise FieldError("messages", "messages: role 'function' (the legacy functions API): send a 'tool' message")
+        if self.role not in ("system", "developer", "user", "assistant", "tool"):
+            raise FieldError(
+                "messages", f"messages: role {self.role!r}: give system, developer, user, assistant or tool"
+            )
+        if self.tool_calls and self.role != "assistant":
+            raise FieldError("messages", f"messages: a {self.role} message with tool_calls (only an assistant's)")
+        if self.role == "tool" and not self.tool_call_id:
+            raise FieldError("messages", "messages: a tool message needs the tool_call_id of the call it answers")
+        if self.function_call is not None:
+            raise FieldError("messages", "messages: function_call (the legacy functions API): send tool_calls")
         if self.audio is not None:
             raise FieldError("messages", "messages: audio is not supported")
         return self
@@ -199,7 +232,6 @@ class Sampling(Body):
     # refused unless they change nothing (_NO_OP)
     best_of: int | None = None
     prompt_logprobs: Any = None
-    response_format: dict[str, Any] | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     use_beam_search: bool | None = None
@@ -207,6 +239,8 @@ class Sampling(Body):
     allowed_token_ids: Any = None
     bad_words: Any = None
     truncate_prompt_tokens: Any = None
+    # output constraints (openai_constraints)
+    response_format: dict[str, Any] | None = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
@@ -244,13 +278,13 @@ class ChatCompletionRequest(Sampling):
     continue_final_message: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: Literal[False] | None = None  # a BOS on top of the template's: not supported
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # with tool_choice required: more than one call (default: yes)
     # accepted, changing nothing
-    parallel_tool_calls: Any = None  # without tools (which are refused)
     prediction: Any = None  # a latency hint: the reply is the same
     reasoning_effort: Any = None
     # refused unless they change nothing (_NO_OP)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
     modalities: list[str] | None = None

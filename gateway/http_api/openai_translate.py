@@ -16,12 +16,14 @@ tiers), with kvd's breakdown beside it (``kvd``).
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 import time
 from collections.abc import Callable, Sequence
 
-from gateway.http_api.openai_schemas import ChatCompletionRequest, CompletionRequest, Sampling
+from gateway.http_api.openai_constraints import constraint_of
+from gateway.http_api.openai_schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, Sampling
 from kvd.common.field_error import FieldError
 from kvd_api.engine.v1 import engine_pb2 as epb
 from kvd_api.gateway.v1 import gateway_pb2 as pb
@@ -56,6 +58,7 @@ def generate_request(body: ChatCompletionRequest, defaults: epb.SamplingParams |
     out = pb.GenerateRequest(template=body.template or "", cache_key=body.prompt_cache_key or "")
     if body.messages:
         out.chat.CopyFrom(chat_prompt(body))
+    out.tool_choice.CopyFrom(tool_choice(body))
     if body.logprobs:
         out.sampling.logprobs = True
         out.sampling.top_logprobs = body.top_logprobs or 0
@@ -95,9 +98,11 @@ def chat_prompt(body) -> epb.ChatPrompt:
     """The messages of ``body`` (a chat completion's or a ``/tokenize`` request's) and how the chat
     template renders them (its ``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``)."""
     chat = epb.ChatPrompt(continue_final_message=bool(body.continue_final_message))
-    chat.messages.extend(
-        epb.ChatMessage(role=_role(m.role), content=m.text(), name=m.name or "") for m in body.messages
-    )
+    chat.messages.extend(_message(m) for m in body.messages)
+    for tool in getattr(body, "tools", None) or ():
+        f = tool.function
+        parameters = json.dumps(f.parameters) if f.parameters is not None else ""
+        chat.tools.append(epb.Tool(name=f.name, description=f.description or "", parameters=parameters))
     if body.add_generation_prompt is not None:
         chat.add_generation_prompt = body.add_generation_prompt
     if body.chat_template_kwargs:
@@ -106,6 +111,24 @@ def chat_prompt(body) -> epb.ChatPrompt:
         except (ValueError, TypeError) as exc:
             raise FieldError("chat_template_kwargs", f"chat_template_kwargs: {exc}") from exc
     return chat
+
+
+def _message(m: ChatMessage) -> epb.ChatMessage:
+    out = epb.ChatMessage(role=_role(m.role), content=m.text(), name=m.name or "", tool_call_id=m.tool_call_id or "")
+    for call in m.tool_calls or ():
+        out.tool_calls.append(epb.ToolCall(id=call.id, name=call.function.name, arguments=call.function.arguments))
+    return out
+
+
+def tool_choice(body: ChatCompletionRequest) -> pb.ToolChoice:
+    """OpenAI's ``tool_choice`` and ``parallel_tool_calls`` (unset with tools: auto)."""
+    choice = body.tool_choice
+    parallel = body.parallel_tool_calls is not False
+    if choice is None:
+        return pb.ToolChoice()
+    if isinstance(choice, str):
+        return pb.ToolChoice(parallel=parallel, **{choice: True})
+    return pb.ToolChoice(function=choice.function.name, parallel=parallel)
 
 
 def _sampling(sampling: epb.SamplingParams, body: Sampling, defaults: epb.SamplingParams | None) -> None:
@@ -133,6 +156,8 @@ def _sampling(sampling: epb.SamplingParams, body: Sampling, defaults: epb.Sampli
         sampling.logit_bias[_token_id(key)] = bias
     sampling.min_tokens = body.min_tokens or 0
     sampling.include_stop_str_in_output = bool(body.include_stop_str_in_output)
+    if (constraint := constraint_of(body)) is not None:
+        sampling.constraint.CopyFrom(constraint)
 
 
 def _token_id(key: str) -> int:
@@ -199,11 +224,14 @@ def completion_body(
     """
     choices = []
     for index, reply in enumerate(replies):
-        finish = FINISH.get(reply.finish_reason, "stop")
+        finish = finish_reason(reply)
         if chat:
             logprobs = _logprobs(reply, chat, token_text, 0) if want_logprobs else None
-            choices.append({"index": index, "message": {"role": "assistant", "content": reply.text},
-                            "logprobs": logprobs, "finish_reason": finish})  # fmt: skip
+            message: dict = {"role": "assistant", "content": reply.text}
+            if reply.tool_calls:
+                message["content"] = reply.text or None  # OpenAI's: null beside calls, unless the model said more
+                message["tool_calls"] = [_call(call) for call in reply.tool_calls]
+            choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish})
             continue
         echo = echoes[index // forks] if echoes is not None else ""
         logprobs = None
@@ -281,8 +309,12 @@ class Chunks:
             else:
                 choice = {"index": index, "text": message.text, "logprobs": logprobs, "finish_reason": None}
             out.append(self._chunk(choice))
+        if message.tool_calls:  # each call whole, in one delta (OpenAI's clients join the deltas by index)
+            calls = [{"index": i, **_call(call)} for i, call in enumerate(message.tool_calls)]
+            out.append(self._chunk({"index": index, "delta": {"tool_calls": calls}, "logprobs": None,
+                                    "finish_reason": None}))  # fmt: skip
         if message.HasField("usage"):
-            finish = FINISH.get(message.finish_reason, "stop")
+            finish = finish_reason(message)
             if self.chat:
                 choice = {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish}
             else:
@@ -306,6 +338,15 @@ class Chunks:
         if self.include_usage:
             chunk["usage"] = None  # OpenAI's chunks before the last carry a null usage
         return chunk
+
+
+def finish_reason(reply: pb.GenerateResponse) -> str:
+    """OpenAI's finish reason: ``tool_calls`` when the reply made calls."""
+    return "tool_calls" if reply.tool_calls else FINISH.get(reply.finish_reason, "stop")
+
+
+def _call(call: epb.ToolCall) -> dict:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
 def _logprobs(message: pb.GenerateResponse, chat: bool, token_text: TokenText, text_offset: int) -> dict:

@@ -27,10 +27,12 @@ from typing import Any
 import jinja2
 from google.protobuf import json_format
 
+from kvd.common import tool_prompt
 from kvd.common.field_error import FieldError
 from kvd_api.engine.v1 import engine_pb2 as epb
 
 MESSAGES = "chat.messages"
+TOOLS = "chat.tools"
 KWARGS = "chat.chat_template_kwargs"
 
 
@@ -57,13 +59,15 @@ def chat_ids(tokenizer, chat: epb.ChatPrompt) -> list[int]:
             "chat.continue_final_message: give it or add_generation_prompt, not both",
         )
     add_prompt = generation_prompt(chat)
+    messages, tool_kwargs = rendered_messages(tokenizer, chat)
     try:
         encoded = tokenizer.apply_chat_template(
-            message_dicts(chat.messages),
+            messages,
             add_generation_prompt=add_prompt,
             continue_final_message=continue_final,
             tokenize=True,
             **kwargs,
+            **tool_kwargs,
         )
     except (jinja2.TemplateError, ValueError, TypeError, KeyError) as exc:
         # NOTE: a template's raise_exception ("Conversation roles must
@@ -89,6 +93,39 @@ def message_dicts(messages: Sequence[epb.ChatMessage]) -> list[dict[str, str]]:
             entry["name"] = m.name
         out.append(entry)
     return out
+
+
+def rendered_messages(tokenizer, chat: epb.ChatPrompt) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The messages as the chat template reads them, and the template's
+    ``tools`` argument: with tools, calls or results, as ``chat.tool_prompt``
+    says (``kvd.common.tool_prompt``)."""
+    uses_tools = bool(chat.tools) or any(m.tool_calls or m.tool_call_id or m.role == "tool" for m in chat.messages)
+    if not uses_tools:
+        return message_dicts(chat.messages), {}
+    _check_tools(chat.tools)
+    mode = chat.tool_prompt
+    if mode == epb.TOOL_PROMPT_AUTO:
+        mode = epb.TOOL_PROMPT_TEMPLATE if tool_prompt.template_knows_tools(tokenizer) else epb.TOOL_PROMPT_KVD
+    if mode == epb.TOOL_PROMPT_KVD:
+        return tool_prompt.kvd_messages(chat.messages, chat.tools), {}
+    tools = [{"type": "function", "function": tool_prompt.function_dict(t)} for t in chat.tools]
+    return tool_prompt.template_messages(chat.messages), ({"tools": tools} if tools else {})
+
+
+def _check_tools(tools: Sequence[epb.Tool]) -> None:
+    names = set()
+    for tool in tools:
+        if not tool.name:
+            raise FieldError(TOOLS, f"{TOOLS}: a tool has no name")
+        if tool.name in names:
+            raise FieldError(TOOLS, f"{TOOLS}: two tools are named {tool.name!r}")
+        names.add(tool.name)
+        try:
+            schema = tool_prompt.parameters(tool)
+        except ValueError as exc:
+            raise FieldError(TOOLS, f"{TOOLS}: {tool.name}'s parameters are not JSON: {exc}") from None
+        if not isinstance(schema, dict):
+            raise FieldError(TOOLS, f"{TOOLS}: {tool.name}'s parameters are not a JSON schema (an object)")
 
 
 def template_kwargs(chat: epb.ChatPrompt) -> dict[str, Any]:
