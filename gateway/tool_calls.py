@@ -40,7 +40,7 @@ def constrain(sampling: epb.SamplingParams, request: pb.GenerateRequest) -> None
     if choice is None:
         return
     if not tools and choice != "none":
-        raise FieldError(FIELD, f"{FIELD}: {choice} needs tools (chat.tools is empty)")
+        raise FieldError(FIELD, f"{FIELD}: {choice} needs tools (none were given)")
     if choice not in ("required", "function"):
         return
     if sampling.HasField("constraint"):

@@ -70,6 +70,8 @@ OPENAI_PARAM = {
     "chat.continue_final_message": "continue_final_message",
     "chat.add_generation_prompt": "add_generation_prompt",
     "chat.chat_template_kwargs": "chat_template_kwargs",
+    "chat.tools": "tools",
+    "tool_choice": "tool_choice",
     "tokens": "tokens",
     # the HTTP API's own names, raised by its translation on a worker thread
     "logit_bias": "logit_bias",

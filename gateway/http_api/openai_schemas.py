@@ -30,6 +30,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gateway.http_api.common import Int64
+from gateway.http_api.openai_constraints import constraint_of
 from kvd.common.field_error import FieldError
 
 #: A completions request's prompts at most (each one is a generation).
@@ -254,6 +255,7 @@ class Sampling(Body):
         for key in self.logit_bias or {}:
             if not key.strip().lstrip("-").isdigit():
                 raise FieldError("logit_bias", f"logit_bias: key {key!r} is not a token id")
+        constraint_of(self)  # a malformed constraint field is refused with the body (whether it compiles: the engine's)
         return self
 
     def stops(self) -> list[str]:
@@ -279,7 +281,7 @@ class ChatCompletionRequest(Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: Literal[False] | None = None  # a BOS on top of the template's: not supported
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: Any = None  # "none", "auto", "required" or a NamedToolChoice (checked below, one message for all)
     parallel_tool_calls: bool | None = None  # with tool_choice required: more than one call (default: yes)
     # accepted, changing nothing
     prediction: Any = None  # a latency hint: the reply is the same
@@ -294,6 +296,19 @@ class ChatCompletionRequest(Sampling):
     echo: bool | None = None  # completions only
     chat_template: Any = None
     documents: Any = None
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice(cls, value):
+        if value is None or value in ("none", "auto", "required"):
+            return value
+        try:
+            return NamedToolChoice.model_validate(value)
+        except ValueError:
+            raise FieldError(
+                "tool_choice",
+                'tool_choice: give "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+            ) from None
 
     @model_validator(mode="after")
     def _chat_fields(self):

@@ -29,8 +29,8 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
     "field, value",
     [("n", 129), ("best_of", 2), ("tools", [{"type": "function"}]), ("frequency_penalty", 2.5),
      ("presence_penalty", -3),
-     ("response_format", {"type": "json_object"}), ("logit_bias", {"a": 5}), ("tool_choice", "auto"),
-     ("echo", True), ("prompt_logprobs", 1), ("guided_json", {}), ("skip_special_tokens", False),
+     ("response_format", {"type": "xml"}), ("logit_bias", {"a": 5}), ("tool_choice", "sometimes"),
+     ("echo", True), ("prompt_logprobs", 1), ("guided_json", 5), ("skip_special_tokens", False),
      ("temperature", 2.5), ("top_logprobs", 21), ("max_tokens", 0), ("min_p", 1.5), ("chat_template", "x")],
 )  # fmt: skip
 def test_a_chat_field_kvd_does_not_take_is_refused_naming_it(field, value):

@@ -236,10 +236,11 @@ def test_past_the_open_generations_limit_a_request_is_429_at_once(send, path, op
 
 @pytest.mark.parametrize(
     "field, value, param",
-    [("n", 0, "n"), ("tools", [{"type": "function"}], "tools"), ("echo", True, "echo"),
+    [("n", 0, "n"), ("tools", [{"type": "function"}], "tools.0.function"), ("echo", True, "echo"),
      ("temperature", 3, "temperature"), ("stream_options", {"include_usage": True}, "stream_options"),
-     ("response_format", {"type": "json_object"}, "response_format"), ("logit_bias", {"x": 1}, "logit_bias"),
-     ("messages", [{"role": "tool", "content": "42", "tool_call_id": "c"}], "messages"),
+     ("response_format", {"type": "xml"}, "response_format"), ("logit_bias", {"x": 1}, "logit_bias"),
+     ("messages", [{"role": "tool", "content": "42"}], "messages"), ("guided_regex", 5, "guided_regex"),
+     ("tool_choice", {"type": "function", "function": {"name": ""}}, "tool_choice"),
      ("messages", [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "messages")],
 )  # fmt: skip
 def test_a_body_kvd_does_not_take_is_400_naming_the_field(send, field, value, param):

@@ -24,6 +24,7 @@ SAMPLERS = {"row": Sampler({EOS}), "batched": BatchedSampler({EOS})}
 class History:
     prompt_ids: list[int]
     output_ids: list[int] = field(default_factory=list)
+    grammar: None = None
 
 
 def reference(logits: torch.Tensor, p: SamplingParams, history: History) -> torch.Tensor:
