@@ -18,6 +18,7 @@ from gateway.service import GatewayService
 from gateway.templates import TemplateStore
 from gateway.tenants import Authenticator, FileKeys, KeyStore, RedisKeys
 from kvd.common.grpc_server import CallLimit, OpenCalls, build_server
+from kvd_api.engine.v1 import engine_pb2 as epb
 from kvd_api.gateway.v1 import gateway_pb2 as pb
 from kvd_api.gateway.v1 import gateway_pb2_grpc as pb_grpc
 
@@ -55,7 +56,10 @@ class GatewayApp:
         )
         self.auth = Authenticator(self._key_store())
         self.keeper = TemplateKeeper(self.store, self.pool, settings.keeper_interval_s)
-        service = GatewayService(RequestPath(self.store, self.pool, self.keeper, self.auth, settings.limits))
+        tool_prompt = epb.ToolPrompt.Value(f"TOOL_PROMPT_{settings.tool_prompt.upper()}")
+        service = GatewayService(
+            RequestPath(self.store, self.pool, self.keeper, self.auth, settings.limits, tool_prompt)
+        )
         # One count of generations for both APIs.
         self.open_calls = OpenCalls(settings.max_open_requests, "--max-open-requests")
         # The gateway serves (templates, info) while at least one replica does.

@@ -31,6 +31,10 @@ def name_list(text: str | None) -> tuple[str, ...]:
     return tuple(name.strip() for name in (text or "").split(",") if name.strip())
 
 
+#: --tool-prompt's values (ChatPrompt.tool_prompt's, by name).
+TOOL_PROMPTS = ("auto", "template", "kvd")
+
+
 @dataclass(frozen=True)
 class GatewaySettings:
     """Everything one gateway process is configured with (the CLI fills it).
@@ -47,6 +51,8 @@ class GatewaySettings:
             serves but one did lately (``ReplicaPool.await_serving``).
         http_listen: the OpenAI-compatible HTTP API's ``HOST:PORT``; "": none.
         served_model_names: the model's names in the HTTP API (empty: its own).
+        tool_prompt: how tools reach the model, for requests that leave it
+            unset (``kvd.common.tool_prompt``): auto, template or kvd.
         max_open_requests: generations (gRPC Generate and Complete, HTTP
             completions) held at once; more are refused (RESOURCE_EXHAUSTED, 429).
     """
@@ -138,6 +144,15 @@ class GatewaySettings:
         default=5.0,
         section=ROUTING,
         help="how often dns: entries of --engines are resolved again",
+    )
+    tool_prompt: str = setting(
+        "--tool-prompt",
+        env="KVD_TOOL_PROMPT",
+        type=click.Choice(TOOL_PROMPTS),
+        default="auto",
+        help="how a chat request's tools reach the model (docs/structured-outputs.md): template, through its"
+        " chat template's tools variable; kvd, in the system message, calls written as <tool_call>JSON</tool_call>;"
+        " auto, the template's where it reads tools, else kvd's",
     )
     limits: TenantLimits = nested(TenantLimits)
 

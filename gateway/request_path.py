@@ -98,6 +98,7 @@ class RequestPath:
     keeper: keeps templates warm and pinned.
     auth: checks callers' keys.
     limits: each tenant's limits.
+    tool_prompt: how tools reach the model when a request leaves it unset (--tool-prompt).
     """
 
     def __init__(
@@ -107,6 +108,7 @@ class RequestPath:
         keeper: TemplateKeeper,
         auth: Authenticator,
         limits: TenantLimits | None = None,
+        tool_prompt: epb.ToolPrompt.ValueType = epb.TOOL_PROMPT_AUTO,
     ) -> None:
         self.store = store
         self.pool = pool
@@ -117,6 +119,7 @@ class RequestPath:
         self.relay = Relay(pool, RequestSlots(self.limits.max_concurrent_requests))
         self.tokenizer = GatewayTokenizer(lambda: pool.any_serving().tokenizer_files())
         self.templates = TemplateCache(store)
+        self.tool_prompt = tool_prompt
 
     def authorize(self, key: str | None, scope: str | None) -> Principal:
         """The caller of ``key`` (see ``Authenticator.authorize``)."""
@@ -141,6 +144,8 @@ class RequestPath:
     def engine_request(self, tenant: str, request: pb.GenerateRequest) -> EngineRequest:
         """The engine's request for a checked ``request``, and what routes it."""
         check_generate(request)
+        if self.tool_prompt and request.WhichOneof("prompt") == "chat" and not request.chat.tool_prompt:
+            request = _with_tool_prompt(request, self.tool_prompt)
         out = epb.GenerateRequest(cache_salt=tenant_salt(tenant, request.cache_salt))
         out.sampling.CopyFrom(request.sampling)
         tool_calls.constrain(out.sampling, request)
@@ -278,6 +283,14 @@ def cache_key_member(tenant: str, cache_key: str) -> str:
     """The router's key for a request's cache key: ':' is in no template name,
     so it never meets a template's, and the tenant keeps tenants' keys apart."""
     return f"{tenant}/:key:{cache_key}"
+
+
+def _with_tool_prompt(request: pb.GenerateRequest, tool_prompt: epb.ToolPrompt.ValueType) -> pb.GenerateRequest:
+    """A copy of ``request`` whose tools reach the model as the gateway's --tool-prompt says."""
+    out = pb.GenerateRequest()
+    out.CopyFrom(request)
+    out.chat.tool_prompt = tool_prompt
+    return out
 
 
 def add_message(whole: pb.GenerateResponse, message: pb.GenerateResponse) -> None:

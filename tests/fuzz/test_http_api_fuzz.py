@@ -1,5 +1,5 @@
 """Hostile input to the gateway's HTTP API: every documented parameter of the
-completions and the template routes drawn from valid and invalid values
+completions (output constraints and tools among them) and the template routes drawn from valid and invalid values
 (wrong types, huge and negative numbers, NaN, unknown fields, malformed
 JSON). Each answer must be one of the documented statuses, in OpenAI's error
 shape when it is an error, never a 500; the gateway must not die; afterwards
@@ -56,6 +56,41 @@ VALID_MESSAGE = st.fixed_dictionaries(
               "audio": st.none(), "annotations": st.just([]), "cache_control": JUNK},
 )  # fmt: skip
 TOKEN = st.integers(0, 49151)
+SCHEMA = st.one_of(
+    st.just({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}),
+    st.just({"type": "string", "enum": ["x", "y"]}),
+    st.dictionaries(st.sampled_from(["type", "properties", "items", "enum", "pattern"]), JUNK, max_size=2),
+)
+TOOL = st.fixed_dictionaries(
+    {"type": st.just("function"), "function": st.fixed_dictionaries(
+        {"name": st.sampled_from(["get_weather", "add"])}, optional={"description": TEXT, "parameters": SCHEMA})},
+)  # fmt: skip
+CALL = st.fixed_dictionaries(
+    {"id": TEXT, "type": st.just("function"),
+     "function": st.fixed_dictionaries({"name": st.sampled_from(["get_weather", "add", "x"]), "arguments": TEXT})},
+)  # fmt: skip
+TOOL_MESSAGES = st.one_of(
+    st.fixed_dictionaries(
+        {"role": st.just("assistant"), "content": st.none(), "tool_calls": st.lists(CALL, max_size=2)}
+    ),
+    st.fixed_dictionaries({"role": st.just("tool"), "content": TEXT, "tool_call_id": TEXT}),
+)
+#: output constraints: the engine compiles them (a regex or grammar drawn from TEXT is mostly a 400)
+CONSTRAINTS = {
+    "response_format": st.one_of(
+        st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
+        st.fixed_dictionaries(
+            {"type": st.just("json_schema"), "json_schema": st.fixed_dictionaries({"name": TEXT, "schema": SCHEMA})}
+        ),
+    ),  # fmt: skip
+    "guided_regex": st.one_of(st.sampled_from(["[a-z]+", "(yes|no)", "[0-9]{2}"]), TEXT),
+    "guided_choice": st.lists(TEXT, max_size=3),
+    "guided_json": SCHEMA,
+    "guided_grammar": st.one_of(st.just('root ::= "a" | "b"'), TEXT),
+    "structured_outputs": st.dictionaries(
+        st.sampled_from(["regex", "choice", "json", "json_object"]), JUNK, max_size=2
+    ),
+}
 #: param -> its valid values (the hostile ones are drawn from HOSTILE).
 SAMPLING = {
     "stream": st.booleans(),
@@ -85,14 +120,21 @@ SAMPLING = {
     "safety_identifier": TEXT,
     "prompt_cache_retention": st.sampled_from(["in_memory", "24h"]),
     "echo": st.just(False),
+    **CONSTRAINTS,
 }
 CHAT = {
     **SAMPLING,
-    "messages": st.lists(VALID_MESSAGE, min_size=1, max_size=3),
+    "messages": st.lists(st.one_of(VALID_MESSAGE, TOOL_MESSAGES), min_size=1, max_size=3),
     "max_completion_tokens": SMALL,
     "logprobs": st.booleans(),
     "top_logprobs": st.integers(0, 20),
-    "tools": st.just([]),
+    "tools": st.lists(TOOL, max_size=2),
+    "tool_choice": st.one_of(
+        st.sampled_from(["none", "auto", "required"]),
+        st.fixed_dictionaries(
+            {"type": st.just("function"), "function": st.fixed_dictionaries({"name": st.sampled_from(["add", "rm"])})}
+        ),
+    ),  # fmt: skip
     "parallel_tool_calls": st.booleans(),
     "add_generation_prompt": st.booleans(),
     "continue_final_message": st.booleans(),

@@ -121,3 +121,30 @@ def test_the_reader_passes_text_without_calls_through_and_forced_calls_whole():
     assert [c.name for c in required[-1].tool_calls] == ["add"]
     cut_short = list(CallReader(NAMES, "required").relay(iter(replies(['[{"name": "add", "argu']))))
     assert cut_short[-1].text == '[{"name": "add", "argu' and not cut_short[-1].tool_calls  # given back as text
+
+
+def test_the_tool_prompt_says_how_tools_reach_the_template(tokenizer):
+    """SmolLM2's template reads no tools: auto renders kvd's format, as kvd does;
+    template hands them to the template, which leaves them out."""
+    from kvd.common.chat import chat_ids
+
+    def rendered(mode) -> str:
+        chat = epb.ChatPrompt(messages=[epb.ChatMessage(role="user", content="Hi")], tools=[WEATHER], tool_prompt=mode)
+        return tokenizer.decode(chat_ids(tokenizer, chat))
+
+    assert not tool_prompt.template_knows_tools(tokenizer)
+    assert rendered(epb.TOOL_PROMPT_AUTO) == rendered(epb.TOOL_PROMPT_KVD)
+    assert "<tools>" in rendered(epb.TOOL_PROMPT_KVD) and "<tools>" not in rendered(epb.TOOL_PROMPT_TEMPLATE)
+    plain = epb.ChatPrompt(messages=[epb.ChatMessage(role="user", content="Hi")])
+    assert rendered(epb.TOOL_PROMPT_TEMPLATE) == tokenizer.decode(chat_ids(tokenizer, plain))
+
+
+def test_tools_with_bad_parameters_are_refused_naming_them(tokenizer):
+    from kvd.common.chat import chat_ids
+
+    for tools, reason in (([epb.Tool(name="f", parameters="{")], "not JSON"), ([ADD, ADD], "two tools"),
+                          ([epb.Tool(name="f", parameters="[1]")], "not a JSON schema")):  # fmt: skip
+        chat = epb.ChatPrompt(messages=[epb.ChatMessage(role="user", content="Hi")], tools=tools)
+        with pytest.raises(FieldError, match=reason) as err:
+            chat_ids(tokenizer, chat)
+        assert err.value.field == "chat.tools"
