@@ -2,7 +2,8 @@
 
 Each ```python block is executed against real processes started for it; the
 only change is the address it names, pointed at the test's own. The README's is
-the gateway's first request; docs/daemon.md's speaks the daemon's Step.
+the gateway's first request; docs/daemon.md's speaks the daemon's Step;
+docs/structured-outputs.md's parses a reply into a pydantic model.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ def python_blocks() -> list[str]:
 
 def test_every_python_block_is_covered():
     blocks = python_blocks()
-    assert len(blocks) == 3
+    assert len(blocks) == 4
     assert sum(DAEMON_ADDRESS in b for b in blocks) == 1 and sum(GATEWAY_ADDRESS in b for b in blocks) == 1
-    assert sum(HTTP_ADDRESS in b for b in blocks) == 1
+    assert sum(HTTP_ADDRESS in b for b in blocks) == 2
     assert GATEWAY_ADDRESS in re.findall(r"```python\n(.*?)```", PAGES[0].read_text(), flags=re.DOTALL)[0]
 
 
@@ -58,7 +59,7 @@ def redis_prefix():
 
 def test_the_gateway_example_runs_as_written(workdir, model_dir, redis_prefix, capsys):
     (block,) = [b for b in python_blocks() if GATEWAY_ADDRESS in b]
-    (http_block,) = [b for b in python_blocks() if HTTP_ADDRESS in b]
+    http_block, structured_block = [b for b in python_blocks() if HTTP_ADDRESS in b]
     daemon = start_daemon(["--block-size", "16", "--num-blocks", "256"], workdir)
     engine = start_engine(daemon, ["--model", str(model_dir)], workdir)
     http = f"127.0.0.1:{free_port()}"
@@ -75,6 +76,9 @@ def test_the_gateway_example_runs_as_written(workdir, model_dir, redis_prefix, c
         exec(compile(http_block.replace(HTTP_ADDRESS, f"http://{http}/v1"), "README.md", "exec"), {})
         printed = capsys.readouterr().out.split()
         assert len(printed) >= 2 and int(printed[-1]) >= 16  # some text, then the blocks the gRPC example computed
+        page = "docs/structured-outputs.md"
+        exec(compile(structured_block.replace(HTTP_ADDRESS, f"http://{http}/v1"), page, "exec"), {})
+        assert re.fullmatch(r"name='.*' country='.*' population=-?\d+", capsys.readouterr().out.strip())
     finally:
         gateway.stop()
         engine.stop()

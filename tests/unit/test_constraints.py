@@ -6,12 +6,15 @@ it, and a constraint that does not compile names why."""
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import dataclass, field
 
 import pytest
 import torch
 import xgrammar
 
-from inference.constraints import Constraint, GrammarCompiler, mask_logits, new_bitmask
+from inference.constraints import Constraint, GrammarCompiler, GrammarState, mask_logits, new_bitmask
+from inference.sampling import BatchedSampler, Sampler, SamplingParams, make_generator
 from kvd.common.field_error import FieldError
 from kvd_api.engine.v1 import engine_pb2 as pb
 
@@ -95,3 +98,31 @@ def test_no_constraint_is_none_and_the_same_text_is_the_same_key():
     assert Constraint.from_pb(pb.Constraint()) is None
     a = Constraint.from_pb(pb.Constraint(regex="a+"))
     assert a == Constraint.from_pb(pb.Constraint(regex="a+")) and hash(a) == hash(Constraint("regex", "a+"))
+
+
+@dataclass
+class Row:
+    prompt_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+    grammar: GrammarState | None = None
+
+
+@pytest.mark.parametrize("sampler", [Sampler({EOS}), BatchedSampler({EOS})], ids=["row", "batched"])
+def test_both_samplers_draw_only_what_each_rows_grammar_allows(compiler, tokenizer, sampler):
+    """The batched sampler (the GPU's, device-agnostic) and the row sampler
+    (the CPU's), greedy and at temperature 1, beside an unconstrained row:
+    a whole date drawn token by token matches its regex."""
+    date = r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-3][0-9]"
+    rows = [Row(grammar=state(compiler, regex=date)), Row(), Row(grammar=state(compiler, regex=date))]
+    params = [SamplingParams(temperature=1.0, seed=1, constraint=Constraint("regex", date)), SamplingParams(),
+              SamplingParams(constraint=Constraint("regex", date))]  # fmt: skip
+    generators = [make_generator(p.seed) for p in params]
+    logits_rng = torch.Generator().manual_seed(3)
+    while not all(r.grammar.finished for r in rows if r.grammar is not None):
+        sampled = sampler.sample(torch.randn(3, len(tokenizer), generator=logits_rng), params, generators, rows)
+        for row, token in zip(rows, sampled.tokens, strict=True):
+            if row.grammar is not None and not row.grammar.finished:
+                assert row.grammar.accept(token)
+                row.output_ids.append(token)
+    for row in (rows[0], rows[2]):
+        assert row.output_ids[-1] == EOS and re.fullmatch(date, tokenizer.decode(row.output_ids[:-1]))
