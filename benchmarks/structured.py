@@ -370,7 +370,8 @@ def table(report: dict[str, Any]) -> str:
         " (target >= 0.9)",
         f"grammar: first compile {grammar['compile_first_s'] * 1e3:.1f} ms,"
         f" cached {grammar['compile_cached_s'] * 1e3:.2f} ms; mask {grammar['mask_us_per_step']:.0f} us per step"
-        f" and row against a {grammar['decode_step_us_c1']:.0f} us decode step ({ratios['mask_share_of_decode_step_c1']:.2%})",
+        f" and row against a {grammar['decode_step_us_c1']:.0f} us decode step"
+        f" ({ratios['mask_share_of_decode_step_c1']:.2%})",
         f"agent: turn 1 TTFT {agent['turn1_ttft_s']:.3f} s, later turns {agent['later_turns_ttft_s']:.3f} s"
         f" ({ratios['agent_later_over_first_ttft']:.2f}x); cached share of later turns' prompts"
         f" {agent['cached_token_ratio']:.2%}",
