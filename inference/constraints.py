@@ -106,6 +106,8 @@ class GrammarCompiler:
                 schema = json.loads(c.spec)
                 if not isinstance(schema, dict):
                     raise ValueError("a JSON schema is a JSON object")
+                if (where := unenforced(schema)) is not None:
+                    raise ValueError(f"{where}: this schema feature is not enforced, so outputs could break it")
                 # NOTE: strict, as OpenAI's strict schemas and vLLM: an object
                 # whose schema leaves additionalProperties out gets no others.
                 return compiler.compile_json_schema(c.spec, any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE)
@@ -123,6 +125,49 @@ class GrammarCompiler:
             return compiler.compile_grammar(c.spec)
         except (ValueError, RuntimeError, TypeError) as exc:  # xgrammar raises RuntimeError for a bad input
             raise FieldError(FIELD, f"{FIELD}.{c.kind}: {_reason(exc)}") from None
+
+
+# Keywords xgrammar 0.2.9 accepts but does not enforce (outputs sampled under
+# them broke them: tests/unit/test_constraints.py): refused, not silently weakened.
+_NOT_ENFORCED = frozenset({
+    "not", "uniqueItems", "contains", "minContains", "maxContains", "if", "then", "else",
+    "dependentRequired", "dependentSchemas", "dependencies", "unevaluatedItems",
+})  # fmt: skip
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_VALUES = ("items", "additionalProperties", "propertyNames", "unevaluatedProperties")
+
+
+def unenforced(schema: object, path: str = "") -> str | None:
+    """Where ``schema`` uses a feature the grammar would not enforce (its
+    path and keyword), or None: ``not``, ``uniqueItems``, ``if``, ...; an
+    ``allOf`` of several schemas (one is fine); a ``oneOf`` without a
+    ``discriminator`` (its branches may overlap: give ``anyOf``); a ``$ref``
+    to another document."""
+    if not isinstance(schema, dict):
+        return None
+    here = f"{path}." if path else ""
+    found = next((key for key in schema if key in _NOT_ENFORCED), None)
+    if found is not None:
+        return here + found
+    if len(schema.get("allOf") or ()) > 1:
+        return f"{here}allOf (of more than one schema)"
+    if "oneOf" in schema and "discriminator" not in schema:
+        return f"{here}oneOf (without a discriminator; give anyOf)"
+    if isinstance(ref := schema.get("$ref"), str) and not ref.startswith("#"):
+        return f"{here}$ref (to another document)"
+    children = [(f"{here}{key}.{name}", sub) for key in _SCHEMA_MAPS for name, sub in _items(schema.get(key))]
+    children += [(f"{here}{key}[{i}]", sub) for key in _SCHEMA_LISTS for i, sub in enumerate(_list(schema.get(key)))]
+    children += [(f"{here}{key}", schema[key]) for key in _SCHEMA_VALUES if key in schema]
+    return next((where for child_path, sub in children if (where := unenforced(sub, child_path))), None)
+
+
+def _items(value: object) -> list:
+    return list(value.items()) if isinstance(value, dict) else []
+
+
+def _list(value: object) -> list:
+    return value if isinstance(value, list) else []
 
 
 def _reason(exc: Exception) -> str:

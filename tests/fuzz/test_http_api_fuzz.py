@@ -239,7 +239,8 @@ def _named(body: dict, model: str) -> dict:
     for field in ("max_tokens", "max_completion_tokens"):  # a valid huge one would run long
         if type(body.get(field)) is int and 3 < body[field] < 2**31:
             body = {**body, field: 3}
-    if "max_tokens" not in body and "max_completion_tokens" not in body:
+    # NOTE: null is unset too: a chat would run to the end of the context (and a constrained one may never end early)
+    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body = {**body, "max_tokens": 2}
     return body
 

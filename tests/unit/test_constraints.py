@@ -6,9 +6,11 @@ it, and a constraint that does not compile names why."""
 from __future__ import annotations
 
 import json
+import random
 import re
 from dataclasses import dataclass, field
 
+import jsonschema
 import pytest
 import torch
 import xgrammar
@@ -126,3 +128,73 @@ def test_both_samplers_draw_only_what_each_rows_grammar_allows(compiler, tokeniz
                 row.output_ids.append(token)
     for row in (rows[0], rows[2]):
         assert row.output_ids[-1] == EOS and re.fullmatch(date, tokenizer.decode(row.output_ids[:-1]))
+
+
+#: Features the grammar enforces: random walks through their grammars end in documents that validate.
+ENFORCED = {
+    "nested": {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"enum": [1, "x"]}},
+               "required": ["b"], "additionalProperties": False}}, "required": ["a"], "additionalProperties": False},
+    "bounded": {"type": "array", "items": {"type": "number", "minimum": 0.5, "maximum": 2.5}, "minItems": 1,
+                "maxItems": 3},
+    "integer": {"type": "integer", "exclusiveMinimum": 0, "maximum": 3, "multipleOf": 1},
+    "pattern": {"type": "string", "pattern": "^[a-c]{2}$"},
+    "one_allOf_and_refs": {"$defs": {"A": {"type": "integer", "minimum": 3, "maximum": 5}}, "type": "object",
+                           "properties": {"a": {"allOf": [{"$ref": "#/$defs/A"}]}, "b": {"$ref": "#/$defs/A"}},
+                           "required": ["a", "b"], "additionalProperties": False},
+    "pattern_properties": {"type": "object", "patternProperties": {"^a": {"type": "integer"}},
+                           "additionalProperties": False},
+    "discriminated": {"oneOf": [{"type": "object", "properties": {"k": {"const": "a"}, "x": {"type": "integer"}},
+                                 "required": ["k", "x"], "additionalProperties": False},
+                                {"type": "object", "properties": {"k": {"const": "b"}}, "required": ["k"],
+                                 "additionalProperties": False}], "discriminator": {"propertyName": "k"}},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ENFORCED)
+def test_random_walks_through_an_accepted_schema_end_in_valid_documents(compiler, tokenizer, name):
+    """Each step a random allowed token (short ones first, EOS half the time it
+    may end): what the grammar lets through must validate against the schema."""
+    schema = ENFORCED[name]
+    rng = random.Random(0)
+    short = torch.tensor([len(tokenizer.decode([t])) <= 2 for t in range(len(tokenizer))])
+    finished = 0
+    for _ in range(8):
+        s = state(compiler, json_schema=json.dumps(schema))
+        tokens: list[int] = []
+        while len(tokens) < 60 and not s.finished:
+            logits = torch.zeros(1, len(tokenizer))
+            mask_logits(logits, [s])
+            allowed = torch.isfinite(logits[0])
+            pool = (allowed & short).nonzero().flatten().tolist() or allowed.nonzero().flatten().tolist()
+            token = EOS if allowed[EOS] and rng.random() < 0.5 else rng.choice(pool)
+            assert s.accept(token)
+            tokens.append(token)
+        if s.finished:
+            finished += 1
+            jsonschema.validate(json.loads(tokenizer.decode(tokens[:-1])), schema)
+    assert finished >= 4
+
+
+@pytest.mark.parametrize(
+    ("schema", "where"),
+    [
+        ({"not": {"type": "string"}}, "not"),
+        ({"type": "array", "uniqueItems": True}, "uniqueItems"),
+        ({"type": "object", "properties": {"a": {"type": "array", "contains": {"type": "string"}}}},
+         "properties.a.contains"),
+        ({"allOf": [{"type": "object"}, {"required": ["a"]}]}, "allOf (of more than one schema)"),
+        ({"anyOf": [{"oneOf": [{"type": "integer"}, {"minimum": 3}]}]}, "anyOf[0].oneOf (without a discriminator"),
+        ({"$ref": "https://example.com/schema.json"}, "$ref (to another document)"),
+        ({"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
+        ({"if": {"required": ["a"]}, "then": {"required": ["b"]}}, "if"),
+    ],
+)  # fmt: skip
+def test_a_schema_feature_the_grammar_would_not_enforce_is_refused(compiler, schema, where):
+    with pytest.raises(FieldError, match="not enforced") as err:
+        state(compiler, json_schema=json.dumps(schema))
+    assert where in str(err.value)
+
+
+def test_a_property_named_like_a_keyword_is_no_keyword(compiler):
+    schema = {"type": "object", "properties": {"not": {"type": "integer"}, "if": {"type": "string"}}}
+    assert state(compiler, json_schema=json.dumps(schema)).allows_anything()
