@@ -60,14 +60,22 @@ PLACES = ("Lyon", "Porto", "Oslo", "Quito", "Hanoi", "Perth", "Tunis", "Lima")
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = harness.parser(__doc__)
-    p.add_argument("--rounds", type=int, help="alternating rounds per kind and concurrency (default 2; quick 1)")
+    p.add_argument("--rounds", type=int, help="alternating rounds per kind and concurrency (default 3; quick 1)")
     p.add_argument("--max-tokens", type=int, help="the unconstrained baseline's length (default 64; quick 32)")
     p.add_argument("--conversations", type=int, help="agent conversations (default 32; quick 4)")
     p.add_argument("--turns", type=int, default=4, help="agent turns per conversation")
     p.add_argument("--system-tokens", type=int, help="the agent's system prompt (default 2000; quick 500)")
+    p.add_argument("--kinds", default=",".join(KINDS), help="constraint kinds measured, comma-separated")
+    p.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)), help="requests in flight, comma-separated")
+    p.add_argument("--no-agent", action="store_true", help="leave the agent workload out")
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--model", default="smollm2")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.kinds = tuple(k for k in args.kinds.split(",") if k)
+    args.concurrency = tuple(int(c) for c in args.concurrency.split(",") if c)
+    if unknown := set(args.kinds) - set(KINDS):
+        p.error(f"--kinds: unknown {sorted(unknown)}; known: {', '.join(KINDS)}")
+    return args
 
 
 def question(kind: str, i: int) -> str:
@@ -122,12 +130,12 @@ def chat_request(text: str, **sampling):
 
 def throughput(client, args, quick: bool) -> dict[str, Any]:
     """Each kind against its matched unconstrained twin, at each concurrency."""
-    rounds = args.rounds or (1 if quick else 2)
+    rounds = args.rounds or (1 if quick else 3)
     length = args.max_tokens or (32 if quick else 64)
     cap = 160  # a constrained output's most tokens (the schema's fields are bounded)
     rows: dict[str, dict[str, dict[str, list]]] = {}
-    progress = harness.Progress("structured: throughput", len(CONCURRENCY) * rounds * (2 * len(KINDS) + 1))
-    for c in CONCURRENCY:
+    progress = harness.Progress("structured: throughput", len(args.concurrency) * rounds * (2 * len(args.kinds) + 1))
+    for c in args.concurrency:
         n = max(c, 4)
         lengths: dict[str, list[int]] = {}  # each kind's outputs' lengths (greedy: the same every round)
         with ThreadPoolExecutor(c) as pool:
@@ -136,7 +144,7 @@ def throughput(client, args, quick: bool) -> dict[str, Any]:
                          for i in range(n)]  # fmt: skip
                 _add(rows, "unconstrained", c, *batch(client, pool, plain))
                 progress.advance()
-                for kind in harness.turn_order(KINDS, r):
+                for kind in harness.turn_order(args.kinds, r):
                     texts = [question(kind, c + i) for i in range(n)]
                     constrained = [chat_request(t, max_new_tokens=cap, constraint=constraint(kind)) for t in texts]
                     # NOTE: the twin runs first on odd rounds, with the lengths the last round measured.
@@ -313,17 +321,19 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     ):
         one(client, chat_request("Warm up.", max_new_tokens=4, constraint=constraint("json_schema")))
         results = throughput(client, args, quick)
-        results["agent"] = agent(client, tokenizer, args, quick)
+        if not args.no_agent:
+            results["agent"] = agent(client, tokenizer, args, quick)
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     results["grammar"] = grammar_costs(tokenizer, config.vocab_size, eos, agent_tools(rng))
-    decode_s = 1 / results["unconstrained"]["c1"]["output_tokens_per_s"]
-    results["grammar"]["decode_step_us_c1"] = 1e6 * decode_s
+    if "c1" in results["unconstrained"]:
+        results["grammar"]["decode_step_us_c1"] = 1e6 / results["unconstrained"]["c1"]["output_tokens_per_s"]
     workload = {
         "model": model_dir.name,
         "dtype": "float32",
         "kinds": {"json_schema": PERSON, "regex": DATE, "choice": CHOICES},
-        "concurrency": list(CONCURRENCY),
-        "rounds": args.rounds or (1 if quick else 2),
+        "concurrency": list(args.concurrency),
+        "kinds_measured": list(args.kinds),
+        "rounds": args.rounds or (1 if quick else 3),
         "cache": "every throughput request has a cache salt of its own (no arm reuses the other's prompts)",
         "unconstrained_tokens": args.max_tokens or (32 if quick else 64),
         "matched": "each constrained kind's twin: the same prompts unconstrained, each held to its twin's length",
@@ -341,41 +351,51 @@ def report(args: argparse.Namespace, out: dict[str, Any]) -> dict[str, Any]:
         / results[f"{kind}_matched_unconstrained"][f"c{c}"]["output_tokens_per_s"]
         for kind in KINDS
         for c in CONCURRENCY
+        if kind in results and f"c{c}" in results[kind]
     }
-    agent, grammar = results["agent"], results["grammar"]
+    grammar = results["grammar"]
     ratios = {
         "worst_constrained_over_unconstrained_tokens_per_s": min(per_kind.values()),
         "constrained_over_matched_unconstrained": per_kind,
-        "agent_later_over_first_ttft": agent["later_turns_ttft_s"] / agent["turn1_ttft_s"],
-        "mask_share_of_decode_step_c1": grammar["mask_us_per_step"] / grammar["decode_step_us_c1"],
     }
+    if "decode_step_us_c1" in grammar:
+        ratios["mask_share_of_decode_step_c1"] = grammar["mask_us_per_step"] / grammar["decode_step_us_c1"]
+    if (agent := results.get("agent")) is not None:
+        ratios["agent_later_over_first_ttft"] = agent["later_turns_ttft_s"] / agent["turn1_ttft_s"]
     return harness.stack_report("structured", args.quick, out["workload"], harness.rounded(results),
                                 harness.rounded(ratios))  # fmt: skip
 
 
 def table(report: dict[str, Any]) -> str:
     results, ratios = report["results"], report["ratios"]
+    per_kind = ratios["constrained_over_matched_unconstrained"]
     rows = []
-    for kind in KINDS:
-        for c in CONCURRENCY:
-            mine, twin = results[kind][f"c{c}"], results[f"{kind}_matched_unconstrained"][f"c{c}"]
-            rows.append([kind, c, mine["mean_output_tokens"], mine["output_tokens_per_s"],
-                         twin["output_tokens_per_s"], ratios["constrained_over_matched_unconstrained"][f"{kind}_c{c}"],
-                         mine["ttft_p50_s"], twin["ttft_p50_s"]])  # fmt: skip
-    grammar, agent = results["grammar"], results["agent"]
-    return "\n".join([
-        harness.format_table(["kind", "in flight", "tokens/req", "tok/s", "twin tok/s", "ratio", "ttft p50",
-                              "twin ttft p50"], rows),  # fmt: skip
+    for key, ratio in per_kind.items():
+        kind, c = key.rsplit("_c", 1)
+        mine, twin = results[kind][f"c{c}"], results[f"{kind}_matched_unconstrained"][f"c{c}"]
+        rows.append([kind, c, mine["mean_output_tokens"], mine["output_tokens_per_s"], twin["output_tokens_per_s"],
+                     ratio, mine["ttft_p50_s"], twin["ttft_p50_s"]])  # fmt: skip
+    grammar = results["grammar"]
+    lines = [
+        harness.format_table(
+            ["kind", "in flight", "tokens/req", "tok/s", "twin tok/s", "ratio", "ttft p50", "twin ttft p50"], rows
+        ),  # fmt: skip
         f"worst constrained / unconstrained tokens/s: {ratios['worst_constrained_over_unconstrained_tokens_per_s']:.3f}"
         " (target >= 0.9)",
         f"grammar: first compile {grammar['compile_first_s'] * 1e3:.1f} ms,"
         f" cached {grammar['compile_cached_s'] * 1e3:.2f} ms; mask {grammar['mask_us_per_step']:.0f} us per step"
-        f" and row against a {grammar['decode_step_us_c1']:.0f} us decode step"
-        f" ({ratios['mask_share_of_decode_step_c1']:.2%})",
-        f"agent: turn 1 TTFT {agent['turn1_ttft_s']:.3f} s, later turns {agent['later_turns_ttft_s']:.3f} s"
-        f" ({ratios['agent_later_over_first_ttft']:.2f}x); cached share of later turns' prompts"
-        f" {agent['cached_token_ratio']:.2%}",
-    ])  # fmt: skip
+        " and row",
+    ]
+    if "mask_share_of_decode_step_c1" in ratios:
+        lines[-1] += (f" against a {grammar['decode_step_us_c1']:.0f} us decode step"
+                      f" ({ratios['mask_share_of_decode_step_c1']:.2%})")  # fmt: skip
+    if (agent := results.get("agent")) is not None:
+        lines.append(
+            f"agent: turn 1 TTFT {agent['turn1_ttft_s']:.3f} s, later turns {agent['later_turns_ttft_s']:.3f} s"
+            f" ({ratios['agent_later_over_first_ttft']:.2f}x); cached share of later turns' prompts"
+            f" {agent['cached_token_ratio']:.2%}"
+        )
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,12 +37,10 @@ def constrain(sampling: epb.SamplingParams, request: pb.GenerateRequest) -> None
     """
     choice = request.tool_choice.WhichOneof("choice")
     tools = list(request.chat.tools) if request.WhichOneof("prompt") == "chat" else []
-    if choice is None:
-        return
-    if not tools and choice != "none":
-        raise FieldError(FIELD, f"{FIELD}: {choice} needs tools (none were given)")
     if choice not in ("required", "function"):
-        return
+        return  # none, auto (unset: auto): nothing to enforce, with tools or without
+    if not tools:
+        raise FieldError(FIELD, f"{FIELD}: {choice} needs tools (none were given)")
     if sampling.HasField("constraint"):
         raise FieldError(FIELD, f"{FIELD}: a forced call and an output constraint cannot both be given")
     if choice == "function":

@@ -26,6 +26,7 @@ import re
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvd.common.field_error import FieldError
@@ -219,17 +220,24 @@ def mask_logits(logits: torch.Tensor, states: Sequence[GrammarState | None]) -> 
     if not masked:
         return
     rows = [rows[i] for i in masked]
-    bitmask = bitmask[masked]
-    if logits.is_cuda:
-        bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
-    allowed = _unpacked(bitmask, logits.shape[1])
+    forbidden = _forbidden(bitmask[masked], logits)
+    if len(rows) == logits.shape[0]:
+        logits.masked_fill_(forbidden, -torch.inf)
+        return
     index = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
-    selected = logits.index_select(0, index).masked_fill_(~allowed, -torch.inf)
-    logits.index_copy_(0, index, selected)
+    logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(forbidden, -torch.inf))
 
 
-def _unpacked(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """A bool per token of each row of a bitmask (bit j of word w: token 32w + j)."""
-    shifts = torch.arange(_BITS, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask[:, :, None] >> shifts) & 1
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+def _forbidden(bitmask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A bool per token of each row of a bitmask (bit j of word w: token 32w + j),
+    true where the token is forbidden, on ``like``'s device."""
+    vocab_size = like.shape[1]
+    inverted = ~bitmask
+    if not like.is_cuda:
+        # NOTE: numpy's unpackbits is a table lookup: a tenth of the shifts' time on the CPU.
+        bits = np.unpackbits(inverted.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
+        return torch.from_numpy(bits).view(torch.bool).to(like.device)
+    # On a GPU: a bitmask's worth of bytes crosses over (a bool per token would be 32 times more).
+    words = inverted.pin_memory().to(like.device, non_blocking=True)
+    shifts = torch.arange(_BITS, dtype=torch.int32, device=like.device)
+    return ((words[:, :, None] >> shifts) & 1).reshape(words.shape[0], -1)[:, :vocab_size].bool()

@@ -86,14 +86,15 @@ def process_logits(
         return logits
     picked = [params[row] for row in rows]
     picked_histories = [histories[row] if histories is not None else NO_HISTORY for row in rows]
-    index = host_to(logits, rows, torch.long)
-    processed = logits.index_select(0, index)
+    # Every row processed (a batch of constrained rows, say): one copy, no gather and scatter.
+    index = None if len(rows) == logits.shape[0] else host_to(logits, rows, torch.long)
+    processed = logits.clone() if index is None else logits.index_select(0, index)
     _add_bias(processed, picked)
     _mask_until_min_tokens(processed, picked, picked_histories, eos_token_ids)
     if any(p.penalizes for p in picked):
         processed = _penalize(processed, picked, picked_histories)
     mask_logits(processed, [h.grammar for h in picked_histories])
-    return logits.index_copy(0, index, processed)
+    return processed if index is None else logits.index_copy(0, index, processed)
 
 
 def _applies(p: SamplingParams, history: TokenHistory) -> bool:

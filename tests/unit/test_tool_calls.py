@@ -90,6 +90,7 @@ def test_a_bad_tool_choice_is_refused_naming_it():
     with pytest.raises(FieldError, match="needs tools") as err:
         tool_calls.constrain(epb.SamplingParams(), no_tools)
     assert err.value.field == "tool_choice"
+    tool_calls.constrain(epb.SamplingParams(), pb.GenerateRequest(text="Hi", tool_choice=pb.ToolChoice(auto=True)))
 
 
 def replies(pieces: list[str]) -> list[pb.GenerateResponse]:
