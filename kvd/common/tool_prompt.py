@@ -114,14 +114,17 @@ def kvd_messages(messages: Sequence[epb.ChatMessage], tools: Sequence[epb.Tool])
             messages = messages[1:]
         else:
             out.append({"role": "system", "content": section})
+    previous_role = ""
     for m in messages:
         if m.role == "tool":
             response = f"{RESPONSE_OPEN}\n{m.content}\n{RESPONSE_CLOSE}"
-            if out and out[-1].get("tool_results"):
+            if previous_role == "tool":  # the results of one turn's calls: one message
                 out[-1]["content"] += "\n" + response
             else:
-                out.append({"role": "user", "content": response, "tool_results": True})
+                out.append({"role": "user", "content": response})
+            previous_role = m.role
             continue
+        previous_role = m.role
         content = m.content
         if m.tool_calls:
             calls = "\n".join(call_text(c.name, _arguments(c)) for c in m.tool_calls)
@@ -130,8 +133,6 @@ def kvd_messages(messages: Sequence[epb.ChatMessage], tools: Sequence[epb.Tool])
         if m.name:
             entry["name"] = m.name
         out.append(entry)
-    for entry in out:
-        entry.pop("tool_results", None)
     return out
 
 

@@ -255,7 +255,7 @@ def test_errors_raise_the_clients_classes(stack, client, model_name):
     reader = openai.OpenAI(base_url=stack[2], api_key="reader-key", max_retries=0)
     with pytest.raises(openai.PermissionDeniedError, match="templates:write"):
         reader.post("/templates", body={"name": "mine", "content": "x"}, cast_to=httpx.Response)
-    refused = {"n": 0, "tools": [{"type": "function"}], "frequency_penalty": 2.5,
+    refused = {"n": 0, "tools": "get_weather", "frequency_penalty": 2.5,
                "response_format": {"type": "xml"}, "temperature": 3, "max_tokens": 0}  # fmt: skip
     for param, value in refused.items():
         with pytest.raises(openai.BadRequestError) as info:
