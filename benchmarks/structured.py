@@ -20,8 +20,9 @@ One daemon, one float32 SmolLM2 engine and one gateway, called on its gRPC API.
   one request in flight.
 - Agent: conversations with a long system prompt and ten tools, each turn a
   user question answered by a forced tool call, the call and its result sent
-  back: time to first token of later turns against the first, and the share
-  of their prompts the cache served.
+  back, each conversation with a cache salt of its own (turn 1 finds nothing):
+  time to first token of later turns against the first, and the share of
+  their prompts the cache served.
 """
 
 from __future__ import annotations
@@ -213,6 +214,9 @@ def agent(client, tokenizer, args, quick: bool) -> dict[str, Any]:
     system = tokenizer.decode(harness_text_ids(tokenizer, rng, system_tokens))
     tools = agent_tools(rng)
     histories = [[epb.ChatMessage(role="system", content=system)] for _ in range(conversations)]
+    # A cache of its own per conversation (as if each were a tenant): turn 1 computes the
+    # system prompt and the tools, later turns find them and the conversation so far.
+    salts = [secrets.token_bytes(8) for _ in range(conversations)]
     turns: list[list[tuple[int, int, float]]] = []  # per turn: (prompt tokens, cached, ttft)
 
     def turn(index: int, t: int) -> tuple[int, int, float, pb.GenerateResponse]:
@@ -222,7 +226,7 @@ def agent(client, tokenizer, args, quick: bool) -> dict[str, Any]:
         )
         request = pb.GenerateRequest(
             chat=epb.ChatPrompt(messages=history, tools=tools), tool_choice=pb.ToolChoice(required=True),
-            sampling=epb.SamplingParams(max_new_tokens=80),
+            sampling=epb.SamplingParams(max_new_tokens=80), cache_salt=salts[index],
         )  # fmt: skip
         start = time.perf_counter()
         ttft, whole = None, pb.GenerateResponse()
@@ -255,6 +259,7 @@ def agent(client, tokenizer, args, quick: bool) -> dict[str, Any]:
         "turn_ttft_s": [statistics.mean(ttft for _, _, ttft in rows) for rows in turns],
         "turn_prompt_tokens": [statistics.mean(p for p, _, _ in rows) for rows in turns],
         "cached_token_ratio": sum(c for _, c, _ in later) / sum(p for p, _, _ in later),
+        "turn1_cached_token_ratio": sum(c for _, c, _ in turns[0]) / sum(p for p, _, _ in turns[0]),
     }
 
 
@@ -304,6 +309,15 @@ def grammar_costs(tokenizer, vocab_size: int, eos: list[int], tools) -> dict[str
     }
 
 
+def pool_blocks(args: argparse.Namespace, quick: bool) -> int:
+    """Blocks of 16 tokens for every agent conversation whole at once (each has a cache of its
+    own: an evicted one would be computed again, measuring the pool instead of the cache)."""
+    conversations = args.conversations or (4 if quick else 32)
+    system_tokens = args.system_tokens or (500 if quick else 2000)
+    per_conversation = -(-(system_tokens + 2048) // 16)  # the tools and four turns fit in 2,048 tokens
+    return max(4096, conversations * per_conversation + 1024)
+
+
 def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from gateway.client import GatewayClient
     from inference import model_store
@@ -314,7 +328,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     config = model_store.load_config(model_dir)
     rng = random.Random(args.seed)
     with (
-        harness.DaemonProcess(workdir, ["--block-size", "16", "--num-blocks", "4096"]) as kvd,
+        harness.DaemonProcess(workdir, ["--block-size", "16", "--num-blocks", str(pool_blocks(args, quick))]) as kvd,
         harness.EngineProcess(workdir, kvd.address, ["--model", str(model_dir), "--max-num-seqs", "64"]) as engine,
         harness.GatewayProcess(workdir, engine.address) as gateway,
         GatewayClient(gateway.address, timeout_s=1200) as client,
