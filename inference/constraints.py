@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from inference.host_values import host_to, to_device
 from kvd.common.field_error import FieldError
 from kvd_api.engine.v1 import engine_pb2 as pb
 
@@ -224,7 +225,7 @@ def mask_logits(logits: torch.Tensor, states: Sequence[GrammarState | None]) -> 
     if len(rows) == logits.shape[0]:
         logits.masked_fill_(forbidden, -torch.inf)
         return
-    index = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
+    index = host_to(logits, rows, torch.long)
     logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(forbidden, -torch.inf))
 
 
@@ -238,6 +239,6 @@ def _forbidden(bitmask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         bits = np.unpackbits(inverted.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
         return torch.from_numpy(bits).view(torch.bool).to(like.device)
     # On a GPU: a bitmask's worth of bytes crosses over (a bool per token would be 32 times more).
-    words = inverted.pin_memory().to(like.device, non_blocking=True)
+    words = to_device(like, inverted)
     shifts = torch.arange(_BITS, dtype=torch.int32, device=like.device)
     return ((words[:, :, None] >> shifts) & 1).reshape(words.shape[0], -1)[:, :vocab_size].bool()

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from inference.constraints import mask_logits
+from inference.host_values import host_to, to_device
 
 if TYPE_CHECKING:
     from inference.constraints import GrammarState
@@ -56,14 +57,6 @@ class _NoHistory:
 
 
 NO_HISTORY = _NoHistory()
-
-
-def host_to(like: torch.Tensor, values: list, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A small host list on ``like``'s device without a blocking copy."""
-    host = torch.tensor(values, dtype=dtype)
-    if like.is_cuda:
-        return host.pin_memory().to(like.device, non_blocking=True)
-    return host
 
 
 def process_logits(
@@ -169,13 +162,9 @@ def _counts(like: torch.Tensor, token_lists: Sequence[list[int]]) -> torch.Tenso
     # NOTE: built on the host with its size known: repeat_interleave on a GPU
     # without output_size waits for the device.
     rows = torch.repeat_interleave(torch.arange(len(token_lists)), lengths, output_size=len(flat))
-    rows, ids = _to(like, rows), host_to(like, flat, torch.long)
+    rows, ids = to_device(like, rows), host_to(like, flat, torch.long)
     counts.index_put_((rows, ids), torch.ones((), dtype=like.dtype, device=like.device), accumulate=True)
     return counts
-
-
-def _to(like: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
-    return host.pin_memory().to(like.device, non_blocking=True) if like.is_cuda else host
 
 
 def _neg_inf(like: torch.Tensor) -> torch.Tensor:

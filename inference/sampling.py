@@ -13,7 +13,8 @@ from typing import NamedTuple
 import torch
 
 from inference.constraints import Constraint
-from inference.logit_processors import TokenHistory, host_to, process_logits
+from inference.host_values import host_to
+from inference.logit_processors import TokenHistory, process_logits
 from kvd.common.field_error import FieldError
 
 MAX_TOP_LOGPROBS = 20
