@@ -84,7 +84,7 @@ def generation_prompt(chat: epb.ChatPrompt) -> bool:
     return not chat.continue_final_message
 
 
-def message_dicts(messages: Sequence[epb.ChatMessage]) -> list[dict[str, str]]:
+def message_dicts(messages: Sequence[epb.ChatMessage]) -> list[dict[str, Any]]:
     """The messages as the chat template reads them (``name`` only where one is given)."""
     out = []
     for m in messages:
@@ -106,10 +106,11 @@ def rendered_messages(tokenizer, chat: epb.ChatPrompt) -> tuple[list[dict[str, A
     mode = chat.tool_prompt
     if mode == epb.TOOL_PROMPT_AUTO:
         mode = epb.TOOL_PROMPT_TEMPLATE if tool_prompt.template_knows_tools(tokenizer) else epb.TOOL_PROMPT_KVD
+    plain = message_dicts(chat.messages)
     if mode == epb.TOOL_PROMPT_KVD:
-        return tool_prompt.kvd_messages(chat.messages, chat.tools), {}
+        return tool_prompt.kvd_messages(chat.messages, plain, chat.tools), {}
     tools = [{"type": "function", "function": tool_prompt.function_dict(t)} for t in chat.tools]
-    return tool_prompt.template_messages(chat.messages), ({"tools": tools} if tools else {})
+    return tool_prompt.template_messages(chat.messages, plain), ({"tools": tools} if tools else {})
 
 
 def _check_tools(tools: Sequence[epb.Tool]) -> None:

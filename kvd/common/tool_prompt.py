@@ -83,14 +83,11 @@ def function_dict(tool: epb.Tool) -> dict[str, Any]:
 # ------------------------------------------------------------- rendering
 
 
-def template_messages(messages: Sequence[epb.ChatMessage]) -> list[dict[str, Any]]:
-    """The messages in Hugging Face's shape for a template that knows tools
-    (calls with their arguments as objects, results with their call's id)."""
-    out = []
-    for m in messages:
-        entry: dict[str, Any] = {"role": m.role, "content": m.content}
-        if m.name:
-            entry["name"] = m.name
+def template_messages(messages: Sequence[epb.ChatMessage], plain: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages in Hugging Face's shape for a template that knows tools:
+    ``plain`` (each message's role, content and name: ``chat.message_dicts``)
+    with the calls, their arguments as objects, and the results' call ids."""
+    for entry, m in zip(plain, messages, strict=True):
         if m.tool_calls:
             entry["tool_calls"] = [
                 {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _arguments(c)}}
@@ -98,41 +95,39 @@ def template_messages(messages: Sequence[epb.ChatMessage]) -> list[dict[str, Any
             ]
         if m.tool_call_id:
             entry["tool_call_id"] = m.tool_call_id
-        out.append(entry)
-    return out
+    return plain
 
 
-def kvd_messages(messages: Sequence[epb.ChatMessage], tools: Sequence[epb.Tool]) -> list[dict[str, Any]]:
-    """The messages in kvd's format (see the module's docstring), plain
-    roles and text only, for any chat template."""
+def kvd_messages(
+    messages: Sequence[epb.ChatMessage], plain: list[dict[str, Any]], tools: Sequence[epb.Tool]
+) -> list[dict[str, Any]]:
+    """The messages in kvd's format (see the module's docstring), plain roles
+    and text only, for any chat template: ``plain`` (each message's role,
+    content and name: ``chat.message_dicts``) with the tools, calls and results written in."""
     out: list[dict[str, Any]] = []
+    pairs = list(zip(messages, plain, strict=True))
     if tools:
         listed = "\n".join(json.dumps(function_dict(t), ensure_ascii=False) for t in tools)
         section = _INSTRUCTIONS.format(tools=listed)
-        if messages and messages[0].role == "system":
-            out.append({"role": "system", "content": f"{messages[0].content}\n\n{section}"})
-            messages = messages[1:]
+        if pairs and pairs[0][0].role == "system":
+            out.append({**pairs[0][1], "content": f"{pairs[0][0].content}\n\n{section}"})
+            pairs = pairs[1:]
         else:
             out.append({"role": "system", "content": section})
     previous_role = ""
-    for m in messages:
+    for m, entry in pairs:
         if m.role == "tool":
             response = f"{RESPONSE_OPEN}\n{m.content}\n{RESPONSE_CLOSE}"
             if previous_role == "tool":  # the results of one turn's calls: one message
                 out[-1]["content"] += "\n" + response
             else:
                 out.append({"role": "user", "content": response})
-            previous_role = m.role
-            continue
+        else:
+            if m.tool_calls:
+                calls = "\n".join(call_text(c.name, _arguments(c)) for c in m.tool_calls)
+                entry["content"] = f"{m.content}\n{calls}" if m.content else calls
+            out.append(entry)
         previous_role = m.role
-        content = m.content
-        if m.tool_calls:
-            calls = "\n".join(call_text(c.name, _arguments(c)) for c in m.tool_calls)
-            content = f"{content}\n{calls}" if content else calls
-        entry: dict[str, Any] = {"role": m.role, "content": content}
-        if m.name:
-            entry["name"] = m.name
-        out.append(entry)
     return out
 
 

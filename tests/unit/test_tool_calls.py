@@ -12,6 +12,7 @@ import pytest
 from gateway import tool_calls
 from gateway.tool_calls import CallReader
 from kvd.common import tool_prompt
+from kvd.common.chat import message_dicts
 from kvd.common.field_error import FieldError
 from kvd_api.engine.v1 import engine_pb2 as epb
 from kvd_api.gateway.v1 import gateway_pb2 as pb
@@ -41,7 +42,7 @@ def test_kvd_format_lists_tools_after_the_system_text_and_merges_results():
         epb.ChatMessage(role="tool", tool_call_id="1", content="12C"),
         epb.ChatMessage(role="tool", tool_call_id="2", content="20C"),
     ]  # fmt: skip
-    out = tool_prompt.kvd_messages(messages, [WEATHER])
+    out = tool_prompt.kvd_messages(messages, message_dicts(messages), [WEATHER])
     assert [m["role"] for m in out] == ["system", "user", "assistant", "user"]
     assert out[0]["content"].startswith("Be brief.\n\n") and '"name": "get_weather"' in out[0]["content"]
     assert out[2]["content"].count("<tool_call>") == 2
