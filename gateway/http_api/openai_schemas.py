@@ -27,11 +27,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from gateway.http_api.common import Int64
 from gateway.http_api.openai_constraints import constraint_of
 from kvd.common.field_error import FieldError
+from kvd_api.engine.v1 import engine_pb2 as epb
 
 #: A completions request's prompts at most (each one is a generation).
 MAX_PROMPTS = 1024
@@ -247,6 +248,7 @@ class Sampling(Body):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
+    _constraint: epb.Constraint | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _sampling_fields(self):
@@ -255,8 +257,14 @@ class Sampling(Body):
         for key in self.logit_bias or {}:
             if not key.strip().lstrip("-").isdigit():
                 raise FieldError("logit_bias", f"logit_bias: key {key!r} is not a token id")
-        constraint_of(self)  # a malformed constraint field is refused with the body (whether it compiles: the engine's)
+        # A malformed constraint field is refused with the body (whether it compiles: the engine's).
+        self._constraint = constraint_of(self)
         return self
+
+    @property
+    def constraint(self) -> epb.Constraint | None:
+        """The output constraint its fields name (``openai_constraints``; None: unconstrained)."""
+        return self._constraint
 
     def stops(self) -> list[str]:
         if self.stop is None:

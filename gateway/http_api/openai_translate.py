@@ -22,7 +22,6 @@ import secrets
 import time
 from collections.abc import Callable, Sequence
 
-from gateway.http_api.openai_constraints import constraint_of
 from gateway.http_api.openai_schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, Sampling
 from kvd.common.field_error import FieldError
 from kvd_api.engine.v1 import engine_pb2 as epb
@@ -156,8 +155,8 @@ def _sampling(sampling: epb.SamplingParams, body: Sampling, defaults: epb.Sampli
         sampling.logit_bias[_token_id(key)] = bias
     sampling.min_tokens = body.min_tokens or 0
     sampling.include_stop_str_in_output = bool(body.include_stop_str_in_output)
-    if (constraint := constraint_of(body)) is not None:
-        sampling.constraint.CopyFrom(constraint)
+    if body.constraint is not None:
+        sampling.constraint.CopyFrom(body.constraint)
 
 
 def _token_id(key: str) -> int:
