@@ -182,7 +182,7 @@ class DetachResponse(_message.Message):
     def __init__(self, released_requests: _Optional[int] = ...) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "cache_salt", "extra_keys", "priority", "max_new_tokens", "max_cached_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "cache_salt", "extra_keys", "priority", "max_new_tokens", "max_cached_tokens", "cache_marks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +190,7 @@ class NewRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_MARKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     cache_salt: bytes
@@ -197,7 +198,40 @@ class NewRequest(_message.Message):
     priority: int
     max_new_tokens: int
     max_cached_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[bytes] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., priority: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., max_cached_tokens: _Optional[int] = ...) -> None: ...
+    cache_marks: CacheMarks
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[bytes] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., priority: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., max_cached_tokens: _Optional[int] = ..., cache_marks: _Optional[_Union[CacheMarks, _Mapping]] = ...) -> None: ...
+
+class CacheMark(_message.Message):
+    __slots__ = ("num_tokens", "ttl_seconds")
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    num_tokens: int
+    ttl_seconds: int
+    def __init__(self, num_tokens: _Optional[int] = ..., ttl_seconds: _Optional[int] = ...) -> None: ...
+
+class CacheMarks(_message.Message):
+    __slots__ = ("marks", "owner", "owner_max_blocks")
+    MARKS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    OWNER_MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    marks: _containers.RepeatedCompositeFieldContainer[CacheMark]
+    owner: str
+    owner_max_blocks: int
+    def __init__(self, marks: _Optional[_Iterable[_Union[CacheMark, _Mapping]]] = ..., owner: _Optional[str] = ..., owner_max_blocks: _Optional[int] = ...) -> None: ...
+
+class MarkResult(_message.Message):
+    __slots__ = ("request_id", "num_tokens", "ttl_seconds", "num_pinned_tokens", "refused")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PINNED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    num_tokens: int
+    ttl_seconds: int
+    num_pinned_tokens: int
+    refused: str
+    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., ttl_seconds: _Optional[int] = ..., num_pinned_tokens: _Optional[int] = ..., refused: _Optional[str] = ...) -> None: ...
 
 class Commits(_message.Message):
     __slots__ = ("request_ids", "num_computed_tokens", "num_new_tokens", "new_token_ids")
@@ -258,7 +292,7 @@ class Scheduled(_message.Message):
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., first_positions: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_host_cached_tokens: _Optional[_Iterable[int]] = ..., num_disk_cached_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("scheduled", "preempted", "released", "num_waiting", "num_free_blocks", "copy_events", "arrival_cached_tokens")
+    __slots__ = ("scheduled", "preempted", "released", "num_waiting", "num_free_blocks", "copy_events", "arrival_cached_tokens", "marks")
     SCHEDULED_FIELD_NUMBER: _ClassVar[int]
     PREEMPTED_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
@@ -266,6 +300,7 @@ class StepResponse(_message.Message):
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     COPY_EVENTS_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MARKS_FIELD_NUMBER: _ClassVar[int]
     scheduled: Scheduled
     preempted: _containers.RepeatedScalarFieldContainer[str]
     released: _containers.RepeatedScalarFieldContainer[str]
@@ -273,7 +308,8 @@ class StepResponse(_message.Message):
     num_free_blocks: int
     copy_events: _containers.RepeatedScalarFieldContainer[bytes]
     arrival_cached_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, scheduled: _Optional[_Union[Scheduled, _Mapping]] = ..., preempted: _Optional[_Iterable[str]] = ..., released: _Optional[_Iterable[str]] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., copy_events: _Optional[_Iterable[bytes]] = ..., arrival_cached_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    marks: _containers.RepeatedCompositeFieldContainer[MarkResult]
+    def __init__(self, scheduled: _Optional[_Union[Scheduled, _Mapping]] = ..., preempted: _Optional[_Iterable[str]] = ..., released: _Optional[_Iterable[str]] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., copy_events: _Optional[_Iterable[bytes]] = ..., arrival_cached_tokens: _Optional[_Iterable[int]] = ..., marks: _Optional[_Iterable[_Union[MarkResult, _Mapping]]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("token_ids", "cache_salt", "extra_keys")

@@ -23,46 +23,55 @@ _sym_db = _symbol_database.Default()
 
 
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
+from kvd_api.daemon.v1 import daemon_pb2 as kvd__api_dot_daemon_dot_v1_dot_daemon__pb2
 from kvd_api.engine.v1 import engine_pb2 as kvd__api_dot_engine_dot_v1_dot_engine__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n kvd_api/gateway/v1/gateway.proto\x12\x0ekvd.gateway.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1ekvd_api/engine/v1/engine.proto\"\x9f\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x19.kvd.engine.v1.ChatPromptH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.kvd.engine.v1.TokenIdsH\x00\x12\x10\n\x08template\x18\x04 \x01(\t\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.kvd.engine.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\x0c\x12\x11\n\tcache_key\x18\x07 \x01(\t\x12/\n\x0btool_choice\x18\x08 \x01(\x0b\x32\x1a.kvd.gateway.v1.ToolChoiceB\x08\n\x06prompt\"p\n\nToolChoice\x12\x0e\n\x04none\x18\x01 \x01(\x08H\x00\x12\x0e\n\x04\x61uto\x18\x02 \x01(\x08H\x00\x12\x12\n\x08required\x18\x03 \x01(\x08H\x00\x12\x12\n\x08\x66unction\x18\x04 \x01(\tH\x00\x12\x10\n\x08parallel\x18\x05 \x01(\x08\x42\x08\n\x06\x63hoice\"\xd5\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x17\n\x0ftemplate_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\x05\x12\x1d\n\x15time_to_first_token_s\x18\x05 \x01(\x01\x12!\n\x19host_cached_prompt_tokens\x18\x06 \x01(\x05\x12!\n\x19\x64isk_cached_prompt_tokens\x18\x07 \x01(\x05\"\xb6\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.kvd.engine.v1.FinishReason\x12$\n\x05usage\x18\x05 \x01(\x0b\x32\x15.kvd.gateway.v1.Usage\x12\x30\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x1a.kvd.engine.v1.TopLogprobs\x12\x36\n\x0fprompt_logprobs\x18\x07 \x01(\x0b\x32\x1d.kvd.engine.v1.PromptLogprobs\x12+\n\ntool_calls\x18\x08 \x03(\x0b\x32\x17.kvd.engine.v1.ToolCall\"\xff\x01\n\x08Template\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x13\n\x0btoken_count\x18\x03 \x01(\x05\x12\x1a\n\x12\x63\x61\x63hed_token_count\x18\x04 \x01(\x05\x12/\n\x0b\x63reate_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x65xpire_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07\x63ontent\x18\x07 \x01(\t\x12,\n\x08messages\x18\x08 \x03(\x0b\x32\x1a.kvd.engine.v1.ChatMessage\"\x8e\x01\n\x15\x43reateTemplateRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12,\n\x08messages\x18\x05 \x03(\x0b\x32\x1a.kvd.engine.v1.ChatMessage\x12\x13\n\x0bttl_seconds\x18\x03 \x01(\x03\x12\x13\n\x0b\x64\x65scription\x18\x04 \x01(\t\"\"\n\x12GetTemplateRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"=\n\x14ListTemplatesRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"]\n\x15ListTemplatesResponse\x12+\n\ttemplates\x18\x01 \x03(\x0b\x32\x18.kvd.gateway.v1.Template\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"y\n\x15UpdateTemplateRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x18\n\x0bttl_seconds\x18\x02 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0b\x64\x65scription\x18\x03 \x01(\tH\x01\x88\x01\x01\x42\x0e\n\x0c_ttl_secondsB\x0e\n\x0c_description\"%\n\x15\x44\x65leteTemplateRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x18\n\x16\x44\x65leteTemplateResponse\"\r\n\x0bInfoRequest\"\xa9\x01\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\x13\n\x0bmax_context\x18\x03 \x01(\x05\x12\x11\n\ttemplates\x18\x04 \x01(\x05\x12\x0f\n\x07version\x18\x05 \x01(\t\x12)\n\x08replicas\x18\x06 \x03(\x0b\x32\x17.kvd.gateway.v1.Replica\x12\x12\n\nmodel_type\x18\x07 \x01(\t\"g\n\x07Replica\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07serving\x18\x02 \x01(\x08\x12\x11\n\tin_flight\x18\x03 \x01(\x05\x12\x14\n\x0cknown_blocks\x18\x04 \x01(\x05\x12\x11\n\ttemplates\x18\x05 \x01(\x05\x32\x9e\x05\n\x07Gateway\x12O\n\x08Generate\x12\x1f.kvd.gateway.v1.GenerateRequest\x1a .kvd.gateway.v1.GenerateResponse0\x01\x12M\n\x08\x43omplete\x12\x1f.kvd.gateway.v1.GenerateRequest\x1a .kvd.gateway.v1.GenerateResponse\x12Q\n\x0e\x43reateTemplate\x12%.kvd.gateway.v1.CreateTemplateRequest\x1a\x18.kvd.gateway.v1.Template\x12K\n\x0bGetTemplate\x12\".kvd.gateway.v1.GetTemplateRequest\x1a\x18.kvd.gateway.v1.Template\x12\\\n\rListTemplates\x12$.kvd.gateway.v1.ListTemplatesRequest\x1a%.kvd.gateway.v1.ListTemplatesResponse\x12Q\n\x0eUpdateTemplate\x12%.kvd.gateway.v1.UpdateTemplateRequest\x1a\x18.kvd.gateway.v1.Template\x12_\n\x0e\x44\x65leteTemplate\x12%.kvd.gateway.v1.DeleteTemplateRequest\x1a&.kvd.gateway.v1.DeleteTemplateResponse\x12\x41\n\x04Info\x12\x1b.kvd.gateway.v1.InfoRequest\x1a\x1c.kvd.gateway.v1.InfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n kvd_api/gateway/v1/gateway.proto\x12\x0ekvd.gateway.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1ekvd_api/daemon/v1/daemon.proto\x1a\x1ekvd_api/engine/v1/engine.proto\"\xf3\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x19.kvd.engine.v1.ChatPromptH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.kvd.engine.v1.TokenIdsH\x00\x12\x10\n\x08template\x18\x04 \x01(\t\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.kvd.engine.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\x0c\x12\x11\n\tcache_key\x18\x07 \x01(\t\x12/\n\x0btool_choice\x18\x08 \x01(\x0b\x32\x1a.kvd.gateway.v1.ToolChoice\x12:\n\x11\x63\x61\x63he_breakpoints\x18\t \x03(\x0b\x32\x1f.kvd.gateway.v1.CacheBreakpoint\x12\x16\n\x0e\x64iagnose_cache\x18\n \x01(\x08\x42\x08\n\x06prompt\"z\n\x0f\x43\x61\x63heBreakpoint\x12\x11\n\x07message\x18\x01 \x01(\x05H\x00\x12\x10\n\x06prompt\x18\x02 \x01(\x08H\x00\x12\x15\n\rcontent_chars\x18\x03 \x01(\x05\x12%\n\x03ttl\x18\x04 \x01(\x0e\x32\x18.kvd.gateway.v1.CacheTtlB\x04\n\x02\x61t\"\x85\x02\n\x0e\x43\x61\x63heDiagnosis\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12.\n\x0b\x63\x61\x63hed_runs\x18\x03 \x03(\x0b\x32\x19.kvd.gateway.v1.CachedRun\x12\x13\n\x0bhas_earlier\x18\x04 \x01(\x08\x12\x15\n\rcommon_tokens\x18\x05 \x01(\x05\x12\r\n\x05token\x18\x06 \x01(\x03\x12\x15\n\rearlier_token\x18\x07 \x01(\x03\x12\x13\n\x0btext_before\x18\x08 \x01(\t\x12\x12\n\ntext_after\x18\t \x01(\t\x12\x1a\n\x12\x65\x61rlier_text_after\x18\n \x01(\t\"W\n\tCachedRun\x12!\n\x04tier\x18\x01 \x01(\x0e\x32\x13.kvd.daemon.v1.Tier\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\x05\x12\x12\n\nnum_tokens\x18\x03 \x01(\x05\"p\n\nToolChoice\x12\x0e\n\x04none\x18\x01 \x01(\x08H\x00\x12\x0e\n\x04\x61uto\x18\x02 \x01(\x08H\x00\x12\x12\n\x08required\x18\x03 \x01(\x08H\x00\x12\x12\n\x08\x66unction\x18\x04 \x01(\tH\x00\x12\x10\n\x08parallel\x18\x05 \x01(\x08\x42\x08\n\x06\x63hoice\"\xd6\x02\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x17\n\x0ftemplate_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\x05\x12\x1d\n\x15time_to_first_token_s\x18\x05 \x01(\x01\x12!\n\x19host_cached_prompt_tokens\x18\x06 \x01(\x05\x12!\n\x19\x64isk_cached_prompt_tokens\x18\x07 \x01(\x05\x12\x1d\n\x15\x63\x61\x63he_creation_tokens\x18\x08 \x01(\x05\x12 \n\x18\x63\x61\x63he_creation_5m_tokens\x18\t \x01(\x05\x12 \n\x18\x63\x61\x63he_creation_1h_tokens\x18\n \x01(\x05\x12\x1c\n\x14unpinned_breakpoints\x18\x0b \x01(\x05\"\xef\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.kvd.engine.v1.FinishReason\x12$\n\x05usage\x18\x05 \x01(\x0b\x32\x15.kvd.gateway.v1.Usage\x12\x30\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x1a.kvd.engine.v1.TopLogprobs\x12\x36\n\x0fprompt_logprobs\x18\x07 \x01(\x0b\x32\x1d.kvd.engine.v1.PromptLogprobs\x12+\n\ntool_calls\x18\x08 \x03(\x0b\x32\x17.kvd.engine.v1.ToolCall\x12\x37\n\x0f\x63\x61\x63he_diagnosis\x18\t \x01(\x0b\x32\x1e.kvd.gateway.v1.CacheDiagnosis\"\xff\x01\n\x08Template\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x13\n\x0btoken_count\x18\x03 \x01(\x05\x12\x1a\n\x12\x63\x61\x63hed_token_count\x18\x04 \x01(\x05\x12/\n\x0b\x63reate_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x65xpire_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07\x63ontent\x18\x07 \x01(\t\x12,\n\x08messages\x18\x08 \x03(\x0b\x32\x1a.kvd.engine.v1.ChatMessage\"\x8e\x01\n\x15\x43reateTemplateRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12,\n\x08messages\x18\x05 \x03(\x0b\x32\x1a.kvd.engine.v1.ChatMessage\x12\x13\n\x0bttl_seconds\x18\x03 \x01(\x03\x12\x13\n\x0b\x64\x65scription\x18\x04 \x01(\t\"\"\n\x12GetTemplateRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"=\n\x14ListTemplatesRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"]\n\x15ListTemplatesResponse\x12+\n\ttemplates\x18\x01 \x03(\x0b\x32\x18.kvd.gateway.v1.Template\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"y\n\x15UpdateTemplateRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x18\n\x0bttl_seconds\x18\x02 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0b\x64\x65scription\x18\x03 \x01(\tH\x01\x88\x01\x01\x42\x0e\n\x0c_ttl_secondsB\x0e\n\x0c_description\"%\n\x15\x44\x65leteTemplateRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x18\n\x16\x44\x65leteTemplateResponse\"\r\n\x0bInfoRequest\"\xa9\x01\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\x13\n\x0bmax_context\x18\x03 \x01(\x05\x12\x11\n\ttemplates\x18\x04 \x01(\x05\x12\x0f\n\x07version\x18\x05 \x01(\t\x12)\n\x08replicas\x18\x06 \x03(\x0b\x32\x17.kvd.gateway.v1.Replica\x12\x12\n\nmodel_type\x18\x07 \x01(\t\"g\n\x07Replica\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07serving\x18\x02 \x01(\x08\x12\x11\n\tin_flight\x18\x03 \x01(\x05\x12\x14\n\x0cknown_blocks\x18\x04 \x01(\x05\x12\x11\n\ttemplates\x18\x05 \x01(\x05*.\n\x08\x43\x61\x63heTtl\x12\x10\n\x0c\x43\x41\x43HE_TTL_5M\x10\x00\x12\x10\n\x0c\x43\x41\x43HE_TTL_1H\x10\x01\x32\x9e\x05\n\x07Gateway\x12O\n\x08Generate\x12\x1f.kvd.gateway.v1.GenerateRequest\x1a .kvd.gateway.v1.GenerateResponse0\x01\x12M\n\x08\x43omplete\x12\x1f.kvd.gateway.v1.GenerateRequest\x1a .kvd.gateway.v1.GenerateResponse\x12Q\n\x0e\x43reateTemplate\x12%.kvd.gateway.v1.CreateTemplateRequest\x1a\x18.kvd.gateway.v1.Template\x12K\n\x0bGetTemplate\x12\".kvd.gateway.v1.GetTemplateRequest\x1a\x18.kvd.gateway.v1.Template\x12\\\n\rListTemplates\x12$.kvd.gateway.v1.ListTemplatesRequest\x1a%.kvd.gateway.v1.ListTemplatesResponse\x12Q\n\x0eUpdateTemplate\x12%.kvd.gateway.v1.UpdateTemplateRequest\x1a\x18.kvd.gateway.v1.Template\x12_\n\x0e\x44\x65leteTemplate\x12%.kvd.gateway.v1.DeleteTemplateRequest\x1a&.kvd.gateway.v1.DeleteTemplateResponse\x12\x41\n\x04Info\x12\x1b.kvd.gateway.v1.InfoRequest\x1a\x1c.kvd.gateway.v1.InfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvd_api.gateway.v1.gateway_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GENERATEREQUEST']._serialized_start=118
-  _globals['_GENERATEREQUEST']._serialized_end=405
-  _globals['_TOOLCHOICE']._serialized_start=407
-  _globals['_TOOLCHOICE']._serialized_end=519
-  _globals['_USAGE']._serialized_start=522
-  _globals['_USAGE']._serialized_end=735
-  _globals['_GENERATERESPONSE']._serialized_start=738
-  _globals['_GENERATERESPONSE']._serialized_end=1048
-  _globals['_TEMPLATE']._serialized_start=1051
-  _globals['_TEMPLATE']._serialized_end=1306
-  _globals['_CREATETEMPLATEREQUEST']._serialized_start=1309
-  _globals['_CREATETEMPLATEREQUEST']._serialized_end=1451
-  _globals['_GETTEMPLATEREQUEST']._serialized_start=1453
-  _globals['_GETTEMPLATEREQUEST']._serialized_end=1487
-  _globals['_LISTTEMPLATESREQUEST']._serialized_start=1489
-  _globals['_LISTTEMPLATESREQUEST']._serialized_end=1550
-  _globals['_LISTTEMPLATESRESPONSE']._serialized_start=1552
-  _globals['_LISTTEMPLATESRESPONSE']._serialized_end=1645
-  _globals['_UPDATETEMPLATEREQUEST']._serialized_start=1647
-  _globals['_UPDATETEMPLATEREQUEST']._serialized_end=1768
-  _globals['_DELETETEMPLATEREQUEST']._serialized_start=1770
-  _globals['_DELETETEMPLATEREQUEST']._serialized_end=1807
-  _globals['_DELETETEMPLATERESPONSE']._serialized_start=1809
-  _globals['_DELETETEMPLATERESPONSE']._serialized_end=1833
-  _globals['_INFOREQUEST']._serialized_start=1835
-  _globals['_INFOREQUEST']._serialized_end=1848
-  _globals['_INFORESPONSE']._serialized_start=1851
-  _globals['_INFORESPONSE']._serialized_end=2020
-  _globals['_REPLICA']._serialized_start=2022
-  _globals['_REPLICA']._serialized_end=2125
-  _globals['_GATEWAY']._serialized_start=2128
-  _globals['_GATEWAY']._serialized_end=2798
+  _globals['_CACHETTL']._serialized_start=2906
+  _globals['_CACHETTL']._serialized_end=2952
+  _globals['_GENERATEREQUEST']._serialized_start=150
+  _globals['_GENERATEREQUEST']._serialized_end=521
+  _globals['_CACHEBREAKPOINT']._serialized_start=523
+  _globals['_CACHEBREAKPOINT']._serialized_end=645
+  _globals['_CACHEDIAGNOSIS']._serialized_start=648
+  _globals['_CACHEDIAGNOSIS']._serialized_end=909
+  _globals['_CACHEDRUN']._serialized_start=911
+  _globals['_CACHEDRUN']._serialized_end=998
+  _globals['_TOOLCHOICE']._serialized_start=1000
+  _globals['_TOOLCHOICE']._serialized_end=1112
+  _globals['_USAGE']._serialized_start=1115
+  _globals['_USAGE']._serialized_end=1457
+  _globals['_GENERATERESPONSE']._serialized_start=1460
+  _globals['_GENERATERESPONSE']._serialized_end=1827
+  _globals['_TEMPLATE']._serialized_start=1830
+  _globals['_TEMPLATE']._serialized_end=2085
+  _globals['_CREATETEMPLATEREQUEST']._serialized_start=2088
+  _globals['_CREATETEMPLATEREQUEST']._serialized_end=2230
+  _globals['_GETTEMPLATEREQUEST']._serialized_start=2232
+  _globals['_GETTEMPLATEREQUEST']._serialized_end=2266
+  _globals['_LISTTEMPLATESREQUEST']._serialized_start=2268
+  _globals['_LISTTEMPLATESREQUEST']._serialized_end=2329
+  _globals['_LISTTEMPLATESRESPONSE']._serialized_start=2331
+  _globals['_LISTTEMPLATESRESPONSE']._serialized_end=2424
+  _globals['_UPDATETEMPLATEREQUEST']._serialized_start=2426
+  _globals['_UPDATETEMPLATEREQUEST']._serialized_end=2547
+  _globals['_DELETETEMPLATEREQUEST']._serialized_start=2549
+  _globals['_DELETETEMPLATEREQUEST']._serialized_end=2586
+  _globals['_DELETETEMPLATERESPONSE']._serialized_start=2588
+  _globals['_DELETETEMPLATERESPONSE']._serialized_end=2612
+  _globals['_INFOREQUEST']._serialized_start=2614
+  _globals['_INFOREQUEST']._serialized_end=2627
+  _globals['_INFORESPONSE']._serialized_start=2630
+  _globals['_INFORESPONSE']._serialized_end=2799
+  _globals['_REPLICA']._serialized_start=2801
+  _globals['_REPLICA']._serialized_end=2904
+  _globals['_GATEWAY']._serialized_start=2955
+  _globals['_GATEWAY']._serialized_end=3625
 # @@protoc_insertion_point(module_scope)

@@ -1,8 +1,10 @@
 import datetime
 
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from kvd_api.daemon.v1 import daemon_pb2 as _daemon_pb2
 from kvd_api.engine.v1 import engine_pb2 as _engine_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -10,8 +12,15 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class CacheTtl(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CACHE_TTL_5M: _ClassVar[CacheTtl]
+    CACHE_TTL_1H: _ClassVar[CacheTtl]
+CACHE_TTL_5M: CacheTtl
+CACHE_TTL_1H: CacheTtl
+
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "chat", "token_ids", "template", "sampling", "cache_salt", "cache_key", "tool_choice")
+    __slots__ = ("text", "chat", "token_ids", "template", "sampling", "cache_salt", "cache_key", "tool_choice", "cache_breakpoints", "diagnose_cache")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +29,8 @@ class GenerateRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     CACHE_KEY_FIELD_NUMBER: _ClassVar[int]
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_BREAKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    DIAGNOSE_CACHE_FIELD_NUMBER: _ClassVar[int]
     text: str
     chat: _engine_pb2.ChatPrompt
     token_ids: _engine_pb2.TokenIds
@@ -28,7 +39,55 @@ class GenerateRequest(_message.Message):
     cache_salt: bytes
     cache_key: str
     tool_choice: ToolChoice
-    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[_engine_pb2.ChatPrompt, _Mapping]] = ..., token_ids: _Optional[_Union[_engine_pb2.TokenIds, _Mapping]] = ..., template: _Optional[str] = ..., sampling: _Optional[_Union[_engine_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[bytes] = ..., cache_key: _Optional[str] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ...) -> None: ...
+    cache_breakpoints: _containers.RepeatedCompositeFieldContainer[CacheBreakpoint]
+    diagnose_cache: bool
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[_engine_pb2.ChatPrompt, _Mapping]] = ..., token_ids: _Optional[_Union[_engine_pb2.TokenIds, _Mapping]] = ..., template: _Optional[str] = ..., sampling: _Optional[_Union[_engine_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[bytes] = ..., cache_key: _Optional[str] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., cache_breakpoints: _Optional[_Iterable[_Union[CacheBreakpoint, _Mapping]]] = ..., diagnose_cache: _Optional[bool] = ...) -> None: ...
+
+class CacheBreakpoint(_message.Message):
+    __slots__ = ("message", "prompt", "content_chars", "ttl")
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_CHARS_FIELD_NUMBER: _ClassVar[int]
+    TTL_FIELD_NUMBER: _ClassVar[int]
+    message: int
+    prompt: bool
+    content_chars: int
+    ttl: CacheTtl
+    def __init__(self, message: _Optional[int] = ..., prompt: _Optional[bool] = ..., content_chars: _Optional[int] = ..., ttl: _Optional[_Union[CacheTtl, str]] = ...) -> None: ...
+
+class CacheDiagnosis(_message.Message):
+    __slots__ = ("prompt_tokens", "cached_tokens", "cached_runs", "has_earlier", "common_tokens", "token", "earlier_token", "text_before", "text_after", "earlier_text_after")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_RUNS_FIELD_NUMBER: _ClassVar[int]
+    HAS_EARLIER_FIELD_NUMBER: _ClassVar[int]
+    COMMON_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EARLIER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TEXT_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    TEXT_AFTER_FIELD_NUMBER: _ClassVar[int]
+    EARLIER_TEXT_AFTER_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    cached_tokens: int
+    cached_runs: _containers.RepeatedCompositeFieldContainer[CachedRun]
+    has_earlier: bool
+    common_tokens: int
+    token: int
+    earlier_token: int
+    text_before: str
+    text_after: str
+    earlier_text_after: str
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_runs: _Optional[_Iterable[_Union[CachedRun, _Mapping]]] = ..., has_earlier: _Optional[bool] = ..., common_tokens: _Optional[int] = ..., token: _Optional[int] = ..., earlier_token: _Optional[int] = ..., text_before: _Optional[str] = ..., text_after: _Optional[str] = ..., earlier_text_after: _Optional[str] = ...) -> None: ...
+
+class CachedRun(_message.Message):
+    __slots__ = ("tier", "first_token", "num_tokens")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tier: _daemon_pb2.Tier
+    first_token: int
+    num_tokens: int
+    def __init__(self, tier: _Optional[_Union[_daemon_pb2.Tier, str]] = ..., first_token: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class ToolChoice(_message.Message):
     __slots__ = ("none", "auto", "required", "function", "parallel")
@@ -45,7 +104,7 @@ class ToolChoice(_message.Message):
     def __init__(self, none: _Optional[bool] = ..., auto: _Optional[bool] = ..., required: _Optional[bool] = ..., function: _Optional[str] = ..., parallel: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "template_tokens", "cached_prompt_tokens", "completion_tokens", "time_to_first_token_s", "host_cached_prompt_tokens", "disk_cached_prompt_tokens")
+    __slots__ = ("prompt_tokens", "template_tokens", "cached_prompt_tokens", "completion_tokens", "time_to_first_token_s", "host_cached_prompt_tokens", "disk_cached_prompt_tokens", "cache_creation_tokens", "cache_creation_5m_tokens", "cache_creation_1h_tokens", "unpinned_breakpoints")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPLATE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +112,10 @@ class Usage(_message.Message):
     TIME_TO_FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
     HOST_CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DISK_CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_CREATION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_CREATION_5M_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_CREATION_1H_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    UNPINNED_BREAKPOINTS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     template_tokens: int
     cached_prompt_tokens: int
@@ -60,10 +123,14 @@ class Usage(_message.Message):
     time_to_first_token_s: float
     host_cached_prompt_tokens: int
     disk_cached_prompt_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., template_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ..., host_cached_prompt_tokens: _Optional[int] = ..., disk_cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+    cache_creation_tokens: int
+    cache_creation_5m_tokens: int
+    cache_creation_1h_tokens: int
+    unpinned_breakpoints: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., template_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ..., host_cached_prompt_tokens: _Optional[int] = ..., disk_cached_prompt_tokens: _Optional[int] = ..., cache_creation_tokens: _Optional[int] = ..., cache_creation_5m_tokens: _Optional[int] = ..., cache_creation_1h_tokens: _Optional[int] = ..., unpinned_breakpoints: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "usage", "top_logprobs", "prompt_logprobs", "tool_calls")
+    __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "usage", "top_logprobs", "prompt_logprobs", "tool_calls", "cache_diagnosis")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +139,7 @@ class GenerateResponse(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_DIAGNOSIS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -80,7 +148,8 @@ class GenerateResponse(_message.Message):
     top_logprobs: _containers.RepeatedCompositeFieldContainer[_engine_pb2.TopLogprobs]
     prompt_logprobs: _engine_pb2.PromptLogprobs
     tool_calls: _containers.RepeatedCompositeFieldContainer[_engine_pb2.ToolCall]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_engine_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., top_logprobs: _Optional[_Iterable[_Union[_engine_pb2.TopLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Union[_engine_pb2.PromptLogprobs, _Mapping]] = ..., tool_calls: _Optional[_Iterable[_Union[_engine_pb2.ToolCall, _Mapping]]] = ...) -> None: ...
+    cache_diagnosis: CacheDiagnosis
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_engine_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., top_logprobs: _Optional[_Iterable[_Union[_engine_pb2.TopLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Union[_engine_pb2.PromptLogprobs, _Mapping]] = ..., tool_calls: _Optional[_Iterable[_Union[_engine_pb2.ToolCall, _Mapping]]] = ..., cache_diagnosis: _Optional[_Union[CacheDiagnosis, _Mapping]] = ...) -> None: ...
 
 class Template(_message.Message):
     __slots__ = ("name", "description", "token_count", "cached_token_count", "create_time", "expire_time", "content", "messages")
