@@ -58,7 +58,9 @@ class GatewayApp:
         self.keeper = TemplateKeeper(self.store, self.pool, settings.keeper_interval_s)
         tool_prompt = epb.ToolPrompt.Value(f"TOOL_PROMPT_{settings.tool_prompt.upper()}")
         service = GatewayService(
-            RequestPath(self.store, self.pool, self.keeper, self.auth, settings.limits, tool_prompt)
+            RequestPath(
+                self.store, self.pool, self.keeper, self.auth, settings.limits, tool_prompt, settings.cache_ttls
+            )
         )
         # One count of generations for both APIs.
         self.open_calls = OpenCalls(settings.max_open_requests, "--max-open-requests")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import click
 
+from gateway.cache_marks import CacheTtls
 from gateway.endpoints import check_endpoint
 from gateway.route_types import ROUTING, RouterConfig
 from gateway.tenants import TenantLimits
@@ -53,6 +54,7 @@ class GatewaySettings:
         served_model_names: the model's names in the HTTP API (empty: its own).
         tool_prompt: how tools reach the model, for requests that leave it
             unset (``kvd.common.tool_prompt``): auto, template or kvd.
+        cache_ttls: how long cache breakpoints keep their prefixes (``gateway.cache_marks``).
         max_open_requests: generations (gRPC Generate and Complete, HTTP
             completions) held at once; more are refused (RESOURCE_EXHAUSTED, 429).
     """
@@ -155,6 +157,7 @@ class GatewaySettings:
         " auto, the template's where it reads tools, else kvd's",
     )
     limits: TenantLimits = nested(TenantLimits)
+    cache_ttls: CacheTtls = nested(CacheTtls)
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):

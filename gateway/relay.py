@@ -23,6 +23,7 @@ from typing import Protocol
 
 import grpc
 
+from gateway.cache_marks import NO_MARKS, PlacedMarks, creation_usage
 from gateway.error_statuses import from_engine
 from gateway.replicas import ReplicaPool, remaining_s
 from gateway.request_errors import RequestError
@@ -60,11 +61,14 @@ class EngineRequest:
         template_tokens: how many of its prompt's tokens are its template's
             (reported in its usage).
         route_key: what the router picks its replica by.
+        marks: its cache breakpoints as the engine's cache marks (their
+            usage is counted from what the daemon did with them).
     """
 
     message: epb.GenerateRequest
     template_tokens: int
     route_key: RouteKey
+    marks: PlacedMarks = NO_MARKS
 
 
 class Relay:
@@ -150,7 +154,7 @@ class Relay:
                 if not streamed:  # its prefill is done: no longer queued work there
                     self.router.prefilled(address, ticket)
                     streamed = True
-                yield gateway_response(message, request.template_tokens)
+                yield gateway_response(message, request)
         except grpc.RpcError as err:
             # NOTE: once a message reached the client, never retried elsewhere.
             # New requests route around the replica until its health check
@@ -182,8 +186,8 @@ class _Once:
             fn()
 
 
-def gateway_response(message: epb.GenerateResponse, template_tokens: int) -> pb.GenerateResponse:
-    """An engine's reply as the gateway's (its usage with the template's share)."""
+def gateway_response(message: epb.GenerateResponse, request: EngineRequest) -> pb.GenerateResponse:
+    """An engine's reply as the gateway's (its usage with the template's share and the cache marks' creation)."""
     out = pb.GenerateResponse(
         token_ids=message.token_ids,
         text=message.text,
@@ -198,7 +202,7 @@ def gateway_response(message: epb.GenerateResponse, template_tokens: int) -> pb.
         out.usage.CopyFrom(
             pb.Usage(
                 prompt_tokens=u.prompt_tokens,
-                template_tokens=template_tokens,
+                template_tokens=request.template_tokens,
                 cached_prompt_tokens=u.cached_prompt_tokens,
                 completion_tokens=u.completion_tokens,
                 time_to_first_token_s=u.time_to_first_token_s,
@@ -206,4 +210,6 @@ def gateway_response(message: epb.GenerateResponse, template_tokens: int) -> pb.
                 disk_cached_prompt_tokens=u.disk_cached_prompt_tokens,
             )
         )
+        if not request.marks.empty:
+            creation_usage(out.usage, u.marks, request.marks)
     return out

@@ -6,6 +6,7 @@ them first, whichever API the request came by.
 
 from __future__ import annotations
 
+from gateway.cache_marks import check_breakpoints
 from gateway.templates import check_description, check_name, check_ttl
 from kvd.common.field_error import FieldError
 from kvd_api.gateway.v1 import gateway_pb2 as pb
@@ -37,6 +38,7 @@ def check_generate(request: pb.GenerateRequest) -> None:
         raise FieldError("cache_salt", f"cache_salt is {len(request.cache_salt)} bytes; at most {MAX_CACHE_SALT}")
     if len(request.cache_key) > MAX_CACHE_KEY:
         raise FieldError("cache_key", f"cache_key is {len(request.cache_key)} characters; at most {MAX_CACHE_KEY}")
+    check_breakpoints(request)
 
 
 def check_create(request: pb.CreateTemplateRequest) -> None:

@@ -33,7 +33,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from gateway import tool_calls
+from gateway import cache_diagnosis, tool_calls
+from gateway.cache_diagnosis import PromptHistory
+from gateway.cache_marks import NO_MARKS, CacheTtls, PlacedMarks, chat_prefix, place
 from gateway.keeper import TemplateKeeper
 from gateway.prompts import own_ids, template_ids, templated_ids
 from gateway.relay import CallLifetime, EngineRequest, Relay
@@ -99,6 +101,7 @@ class RequestPath:
     auth: checks callers' keys.
     limits: each tenant's limits.
     tool_prompt: how tools reach the model when a request leaves it unset (--tool-prompt).
+    cache_ttls: how long cache breakpoints keep their prefixes (--cache-ttl-5m-s, --cache-ttl-1h-s).
     """
 
     def __init__(
@@ -109,6 +112,7 @@ class RequestPath:
         auth: Authenticator,
         limits: TenantLimits | None = None,
         tool_prompt: epb.ToolPrompt.ValueType = epb.TOOL_PROMPT_AUTO,
+        cache_ttls: CacheTtls | None = None,
     ) -> None:
         self.store = store
         self.pool = pool
@@ -120,6 +124,8 @@ class RequestPath:
         self.tokenizer = GatewayTokenizer(lambda: pool.any_serving().tokenizer_files())
         self.templates = TemplateCache(store)
         self.tool_prompt = tool_prompt
+        self.cache_ttls = cache_ttls or CacheTtls()
+        self.history = PromptHistory()
 
     def authorize(self, key: str | None, scope: str | None) -> Principal:
         """The caller of ``key`` (see ``Authenticator.authorize``)."""
@@ -129,10 +135,21 @@ class RequestPath:
 
     def generate(self, tenant: str, request: pb.GenerateRequest, call: CallLifetime) -> Iterator[pb.GenerateResponse]:
         """The request's replies as they come (a generator: nothing runs before the first ``next``);
-        with tools, the calls the model made on the last one (``gateway.tool_calls``)."""
-        replies = self.relay.stream(tenant, self.engine_request(tenant, request), call)
+        with tools, the calls the model made on the last one (``gateway.tool_calls``); asked for,
+        why its prompt missed the cache (``gateway.cache_diagnosis``)."""
+        engine_request = self.engine_request(tenant, request)
+        prompt = engine_request.message
+        divergence = self.history.observe(prompt.cache_salt, prompt.token_ids.ids) if prompt.token_ids.ids else None
+        replies = self.relay.stream(tenant, engine_request, call)
         calls = tool_calls.reader(request)
-        yield from replies if calls is None else calls.relay(replies)
+        for reply in replies if calls is None else calls.relay(replies):
+            if reply.HasField("usage"):
+                cache_diagnosis.record(tenant, reply.usage, divergence)
+                if request.diagnose_cache:
+                    reply.cache_diagnosis.CopyFrom(
+                        cache_diagnosis.diagnosis(prompt.token_ids.ids, divergence, reply.usage, self.tokenizer.decode)
+                    )
+            yield reply
 
     def complete(self, tenant: str, request: pb.GenerateRequest, call: CallLifetime) -> pb.GenerateResponse:
         """The request's replies as one."""
@@ -142,7 +159,12 @@ class RequestPath:
         return whole
 
     def engine_request(self, tenant: str, request: pb.GenerateRequest) -> EngineRequest:
-        """The engine's request for a checked ``request``, and what routes it."""
+        """The engine's request for a checked ``request``, and what routes it.
+
+        Its prompt goes as token ids (tokenized here, as the engines would):
+        its blocks' hashes route it, its cache breakpoints are token counts
+        of it, and the prompt history compares it with the tenant's last ones.
+        """
         check_generate(request)
         if self.tool_prompt and request.WhichOneof("prompt") == "chat" and not request.chat.tool_prompt:
             request = _with_tool_prompt(request, self.tool_prompt)
@@ -150,24 +172,39 @@ class RequestPath:
         out.sampling.CopyFrom(request.sampling)
         tool_calls.constrain(out.sampling, request)
         kind = request.WhichOneof("prompt")
-        if request.template:
-            template = self.templates.get(tenant, request.template)
+        template = self.templates.get(tenant, request.template) if request.template else None
+        if template is not None:
             prompt = templated_ids(self.tokenizer, template, request)
             out.token_ids.ids.extend(prompt.token_ids)
-            member = warm_member(tenant, request.template)
-            return EngineRequest(out, prompt.template_tokens, self._route_key(out, member, prompt.template_tokens))
-        # A cache key routes as a template would (its rendezvous home), within the tenant.
-        affinity = cache_key_member(tenant, request.cache_key) if request.cache_key else ""
-        if not self._by_prefix() or (kind == "text" and not request.text):
-            if kind == "text":
-                out.text = request.text
-            elif kind == "chat":
-                out.chat.CopyFrom(request.chat)
-            else:
-                out.token_ids.CopyFrom(request.token_ids)
-            return EngineRequest(out, 0, RouteKey(template=affinity))
-        out.token_ids.ids.extend(own_ids(self.tokenizer, request))
-        return EngineRequest(out, 0, self._route_key(out, affinity))
+            member, template_tokens = warm_member(tenant, request.template), prompt.template_tokens
+        elif kind == "text" and not request.text:  # the engine says what an empty prompt is
+            out.text = request.text
+            return EngineRequest(out, 0, RouteKey())
+        else:
+            out.token_ids.ids.extend(own_ids(self.tokenizer, request))
+            # A cache key routes as a template would (its rendezvous home), within the tenant.
+            member = cache_key_member(tenant, request.cache_key) if request.cache_key else ""
+            template_tokens = 0
+        marks = self._marks(tenant, request, template, out)
+        out.cache_marks.CopyFrom(marks.marks)
+        if template is None and not self._by_prefix():
+            return EngineRequest(out, 0, RouteKey(template=member), marks)
+        return EngineRequest(out, template_tokens, self._route_key(out, member, template_tokens), marks)
+
+    def _marks(self, tenant: str, request: pb.GenerateRequest, template: Template | None, out) -> PlacedMarks:
+        """The request's cache breakpoints as cache marks over its prompt's tokens."""
+        if not request.cache_breakpoints:
+            return NO_MARKS
+
+        def prefix_ids(message: int, content_chars: int) -> list[int]:
+            cut = pb.GenerateRequest(chat=chat_prefix(request.chat, message, content_chars))
+            if template is not None:
+                return templated_ids(self.tokenizer, template, cut).token_ids
+            return self.tokenizer.chat_ids(cut.chat)
+
+        block_size = self.pool.any_serving().model_info().block_size
+        quota = self.limits.max_pinned_blocks
+        return place(request, out.token_ids.ids, prefix_ids, block_size, self.cache_ttls, tenant, quota)
 
     def _route_key(self, out: epb.GenerateRequest, template: str = "", template_tokens: int = 0) -> RouteKey:
         """What routes a request whose token ids are known: its blocks' hashes, as its daemon will compute them."""

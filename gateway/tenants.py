@@ -214,7 +214,8 @@ class TenantLimits:
         type=click.INT,
         default=0,
         section=_LIMITS,
-        help="cache blocks a tenant's templates pin (a template pins token_count // block_size blocks)",
+        help="cache blocks a tenant's templates pin (a template pins token_count // block_size blocks); its"
+        " cache breakpoints may pin as many again in each daemon",
     )
 
     def __post_init__(self) -> None:

@@ -95,6 +95,8 @@ class Sequence:
     prompt_logprobs: list[float] = field(default_factory=list)
     prompt_top: list[tuple[list[int], list[float]]] = field(default_factory=list)
     grammar: GrammarState | None = None
+    cache_marks: pb.CacheMarks | None = None  # prefixes the daemon pins once computed
+    marks: list[pb.MarkResult] = field(default_factory=list)  # what became of them, as the daemon reported
 
     @property
     def all_ids(self) -> list[int]:
@@ -245,6 +247,8 @@ class RequestTable:
             )
             if seq.params.prompt_logprobs:  # the positions scored are computed, not served by the cache
                 new.max_cached_tokens = seq.params.prompt_logprobs_from - 1
+            if seq.cache_marks is not None:
+                new.cache_marks.CopyFrom(seq.cache_marks)
         if self._commits:
             c = msg.commits
             ids = list(self._commits)
@@ -273,6 +277,8 @@ class RequestTable:
         for seq, cached in zip(self._arriving, reply.arrival_cached_tokens, strict=False):
             seq.expected_cached = cached
         self._arriving = []
+        for mark in reply.marks:  # before `released`: a mark is reported by the Step that frees its request at last
+            seqs[mark.request_id].marks.append(mark)
         for request_id in reply.preempted:
             seqs[request_id].block_table = []
             seqs[request_id].num_computed = 0

@@ -19,6 +19,7 @@ from inference.engine import Engine, EngineUnavailable
 from inference.requests import Finish, Sequence
 from inference.sampling import SamplingParams
 from inference.streams import StreamError, StreamFinished, StreamPromptLogprobs, StreamTokens
+from kvd.common.cache_marks import check_marks
 from kvd.common.client import DaemonClient
 from kvd.common.field_error import FieldError
 from kvd.common.grpc_server import CallLimit, OpenCalls, Server, StatusTable
@@ -117,6 +118,12 @@ class EngineService(pb_grpc.EngineServicer):
         self._check_bias_ids(params.logit_bias)
         self._check_fits(len(prompt), params.max_new_tokens)
         seq = Sequence(uuid.uuid4().hex, prompt, params, cache_salt=self._salt(request.cache_salt))
+        if request.HasField("cache_marks") and request.cache_marks.marks:
+            try:
+                check_marks(request.cache_marks, len(prompt))
+            except FieldError as exc:
+                raise exc.within("cache_marks") from None
+            seq.cache_marks = request.cache_marks
         if params.constraint is not None:
             seq.grammar = self._grammar_state(params.constraint)
         response_id = request.request_id or seq.request_id
@@ -402,6 +409,7 @@ def usage(seq: Sequence, completion_tokens: int) -> pb.Usage:
         disk_cached_prompt_tokens=seq.num_disk_cached_prompt,
         completion_tokens=completion_tokens,
         time_to_first_token_s=ttft,
+        marks=seq.marks,
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import logging
+import math
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -194,6 +195,7 @@ class KVCache:
         try:
             if self.host is not None and self.host.num_in_copy:
                 raise ValueError("tier copies are in flight")
+            self._drop_marks_if_alone()
             cleared = self.pool.reset()
         except ValueError as exc:
             raise PreconditionError(f"cannot reset the cache: {exc}") from None
@@ -204,6 +206,14 @@ class KVCache:
             if removed:
                 self.pool.record(BlockRemoved(tuple(removed), DISK))
         return cleared
+
+    def _drop_marks_if_alone(self) -> None:
+        """Unpins every expiring pin (cache marks) when they alone keep the
+        pool from resetting: a mark keeps a prefix warm, it does not outlast
+        an emptied cache. Otherwise nothing changes (the reset is refused)."""
+        in_use = self.pool.num_blocks - self.pool.num_free
+        if in_use and in_use == self.pins.expiring_only_blocks():
+            self.pins.expire(math.inf)
 
     def inspect_block(self, block_id: int) -> InspectedBlock:
         """A block's metadata and the sha256 of its bytes, read here."""

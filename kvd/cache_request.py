@@ -5,9 +5,13 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass, field
 from operator import attrgetter
+from typing import TYPE_CHECKING
 
 from kvd.block import Block
 from kvd.common.hashing import BlockHasher
+
+if TYPE_CHECKING:
+    from kvd.marks import PendingMarks
 
 
 @dataclass(slots=True, eq=False)
@@ -44,6 +48,7 @@ class Request:
         max_cached_blocks: the most leading blocks admission takes from the
             cache (None: all it holds); the rest are computed again, for
             their logits (a prompt's logprobs).
+        marks: its cache marks not pinned or refused yet (kvd.marks; None: none).
     """
 
     request_id: str
@@ -62,6 +67,7 @@ class Request:
     last_step: int = -1
     disk_loads: int = 0
     max_cached_blocks: int | None = None
+    marks: PendingMarks | None = None
 
     @property
     def reusable_hashes(self) -> list[bytes]:

@@ -26,6 +26,7 @@ from kvd.common.process_identity import ProcessIdentity
 from kvd.config import DaemonConfig
 from kvd.errors import PreconditionError
 from kvd.events import EventBatch, EventHub, EventsSnapshot
+from kvd.marks import Marker
 from kvd.quarantine import Quarantine
 from kvd.scheduler import run_step
 from kvd.session import Session, SessionRegistry
@@ -50,7 +51,8 @@ class Daemon:
     Args:
         config: its settings; with ``config.model_layout`` the cache is made now,
             otherwise at the first attach that brings a layout.
-        clock: monotonic seconds for leases (tests pass one they advance).
+        clock: monotonic seconds for leases and cache marks' expiries (tests
+            pass one they advance).
     """
 
     def __init__(self, config: DaemonConfig, clock: Clock = time.monotonic) -> None:
@@ -60,6 +62,7 @@ class Daemon:
         self.quarantine = Quarantine(config.quarantine_s)
         self.events = EventHub(self._cached_hashes)
         self.cache: KVCache | None = None
+        self._marker: Marker | None = None  # pins requests' cache marks (kvd.marks), with the cache
         self._clock = clock
         self._reaper: threading.Thread | None = None
         self._stop_reaper = threading.Event()
@@ -70,6 +73,7 @@ class Daemon:
 
     def _create_cache(self, model_layout: CacheLayout) -> KVCache:
         self.cache = KVCache(self.config, model_layout, self.lock, self.events.publish)
+        self._marker = Marker(self.cache.pins, self._clock, self.cache.manager.block_size)
         self.events.new_incarnation(self.cache.cache_id)
         return self.cache
 
@@ -137,8 +141,9 @@ class Daemon:
             return self._close_session(session_id, "detached")
 
     def reap_expired(self) -> list[str]:
-        """Quarantines sessions whose heartbeat lapsed, and releases the
-        quarantined ones that can no longer write; returns the lapsed ids."""
+        """Quarantines sessions whose heartbeat lapsed, releases the
+        quarantined ones that can no longer write, and unpins the cache marks
+        whose time is up; returns the lapsed ids."""
         with self.lock:
             now = self._clock()
             expired = self.sessions.expired()
@@ -146,6 +151,8 @@ class Daemon:
                 self._lapse(session_id, now)
             for session_id, why in self.quarantine.due(now):
                 self._end_quarantine(session_id, why)
+            if self.cache is not None and (unpinned := self.cache.pins.expire(now)):
+                log.info("cache marks expired", extra={"unpinned": unpinned, "pins": self.cache.pins.num_pins})
             return expired
 
     def start(self) -> None:
@@ -166,7 +173,8 @@ class Daemon:
 
     def _reap_until_stopped(self) -> None:
         # NOTE: a quarter of the lease between passes: a dead engine's blocks
-        # come back at most 1.25 leases after its last heartbeat.
+        # come back at most 1.25 leases after its last heartbeat. At most a
+        # second: a cache mark's pin outlives its expiry by less than that.
         interval_s = min(1.0, self.config.lease_s / 4)
         while not self._stop_reaper.wait(interval_s):
             self.reap_expired()
@@ -207,7 +215,7 @@ class Daemon:
             cache = self._cache()
             session = self.sessions.get(session_id)
             block_cap = self.sessions.fair_share(session, cache.pool.num_blocks)
-            reply = run_step(cache.manager, session, msg, block_cap)
+            reply = run_step(cache.manager, session, msg, block_cap, self._marker)
             if cache.copier is not None:
                 copies = cache.manager.take_copies()
                 # NOTE: the blocks copied out were written by this engine's
@@ -246,7 +254,8 @@ class Daemon:
             return self._cache().pins.unpin(pin_id)
 
     def reset(self) -> int:
-        """Empties every tier; returns the device blocks whose content was dropped."""
+        """Empties every tier (cache marks' pins go too; a named pin refuses
+        it); returns the device blocks whose content was dropped."""
         self.wait_for_copies()
         with self.lock:
             cleared = self._cache().reset()
@@ -261,6 +270,12 @@ class Daemon:
     def stats(self) -> Stats:
         with self.lock:
             return collect_stats(self.cache, self.sessions, self.quarantine)
+
+    def mark_counts(self) -> tuple[int, int]:
+        """Cache marks reported pinned and refused so far (metrics)."""
+        with self.lock:
+            marker = self._marker
+            return (0, 0) if marker is None else (marker.num_pinned, marker.num_refused)
 
     # ------------------------------------------------------------- events
 

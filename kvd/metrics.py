@@ -34,6 +34,11 @@ class DaemonCollector:
         yield from self._tiers(s)
         yield GaugeMetricFamily("kvd_sessions", "Attached engine sessions", s.num_sessions)
         yield GaugeMetricFamily("kvd_requests", "Requests holding blocks", s.num_requests)
+        yield GaugeMetricFamily("kvd_pins", "Pins, named (templates) and expiring (cache marks)", s.num_pins)
+        marks = CounterMetricFamily("kvd_cache_marks", "Cache marks reported, by outcome", labels=["outcome"])
+        for outcome, value in zip(("pinned", "refused"), self.daemon.mark_counts(), strict=True):
+            marks.add_metric([outcome], value)
+        yield marks
 
     @staticmethod
     def _tiers(s):

@@ -31,6 +31,7 @@ from kvd.block import Block
 from kvd.cache_manager import DEFERRED, KVCacheManager
 from kvd.cache_request import Request
 from kvd.cache_request import schedule_order as _order
+from kvd.marks import Marker
 from kvd.session import Session
 from kvd_api.daemon.v1 import daemon_pb2 as pb
 
@@ -48,20 +49,35 @@ _REQUEST, _NUM_TOKENS = 0, 2
 
 
 def run_step(
-    manager: KVCacheManager, session: Session, msg: pb.StepRequest, block_cap: int | None = None
+    manager: KVCacheManager,
+    session: Session,
+    msg: pb.StepRequest,
+    block_cap: int | None = None,
+    marker: Marker | None = None,
 ) -> pb.StepResponse:
     """Applies a Step's reports and schedules the next work; returns the reply
-    (without ``copy_events``, which the daemon adds).
+    (without ``copy_events``, which the daemon adds). ``marker``: pins the
+    requests' cache marks (kvd.marks; None: they stay pending until their
+    request ends).
 
     Raises ``ValueError`` / ``NotFoundError`` before any change on bad input.
     """
-    arrivals, released = session.apply_step_reports(manager, msg)
+    arrivals, released = session.apply_step_reports(manager, msg, marker)
     # What the cache holds of each new prompt, before anything is admitted
     # (the engine's load reports): its hashes are at hand only here.
     arrival_cached = [manager.cached_tokens(request.reusable_hashes) for request in arrivals]
     reply = schedule(manager, session, msg.forward_in_flight, block_cap)
     reply.released.extend(released)
     reply.arrival_cached_tokens.extend(arrival_cached)
+    # NOTE: after admission too, so a prefix found cached is pinned in the
+    # Step that admits its request; both checks cost nothing without marks.
+    if session.marked and marker is not None:
+        marker.settle(session)
+    if session.mark_results:
+        reply.marks.extend(session.mark_results)
+        if marker is not None:
+            marker.count(session.mark_results)
+        session.mark_results.clear()
     return reply
 
 

@@ -52,10 +52,13 @@ from kvd.block import Block
 from kvd.cache_manager import KVCacheManager
 from kvd.cache_request import Request
 from kvd.cache_request import schedule_order as _order
+from kvd.common.cache_marks import check_marks
 from kvd.common.defaults import MAX_NUM_SEQS, TOKEN_BUDGET
+from kvd.common.field_error import FieldError
 from kvd.common.hashing import pack_tokens
 from kvd.common.process_identity import ProcessIdentity
 from kvd.errors import NotFoundError
+from kvd.marks import Marker, PendingMarks, ended
 from kvd_api.daemon.v1 import daemon_pb2 as pb
 
 #: Freed request ids remembered per session, to tell a double free (a caller
@@ -107,6 +110,9 @@ class Session:
             no GPU).
         gave_up_in_flight: the current Step freed or fenced blocks while a
             forward was in flight (see ``unsettled_forward``).
+        marked: the requests whose cache marks are not all pinned or refused
+            yet (kvd.marks): the only ones a Step looks at for marks.
+        mark_results: what became of marks in the current Step, for its reply.
     """
 
     session_id: str
@@ -127,6 +133,8 @@ class Session:
     process: ProcessIdentity | None = None
     forward_event: bytes = b""
     gave_up_in_flight: bool = False
+    marked: dict[str, Request] = field(default_factory=dict)
+    mark_results: list[pb.MarkResult] = field(default_factory=list)
 
     def get(self, request_id: str) -> Request:
         """The request ``request_id``, running or waiting.
@@ -161,6 +169,8 @@ class Session:
         request.queued(self.arrivals)
         self.recently_freed.pop(request.request_id, None)
         self.requests[request.request_id] = request
+        if request.marks is not None:
+            self.marked[request.request_id] = request
         self._wait(request)
 
     def started(self, request: Request) -> None:
@@ -175,7 +185,12 @@ class Session:
         self._wait(request)
 
     def release(self, manager: KVCacheManager, request: Request) -> None:
-        """Frees a request's blocks (if it holds any) and forgets it."""
+        """Frees a request's blocks (if it holds any) and forgets it; its
+        marks still pending are refused (``mark_results``)."""
+        if request.marks is not None:
+            self.mark_results.extend(ended(request))
+            del self.marked[request.request_id]
+            request.marks = None
         if self.running.pop(request.request_id, None) is not None:
             self._free(manager, request)
         else:
@@ -194,6 +209,7 @@ class Session:
             self.release(manager, request)
         self.lift_fence(manager)
         self.gave_up_in_flight = False
+        self.mark_results.clear()  # no reply reaches an ended session's engine
         return count
 
     def lift_fence(self, manager: KVCacheManager) -> None:
@@ -217,9 +233,13 @@ class Session:
 
     # --------------------------------------------------------- the Step
 
-    def apply_step_reports(self, manager: KVCacheManager, msg: pb.StepRequest) -> AppliedReports:
+    def apply_step_reports(
+        self, manager: KVCacheManager, msg: pb.StepRequest, marker: Marker | None = None
+    ) -> AppliedReports:
         """Takes a Step's reports, in order: settings, new requests, commits,
-        finished requests.
+        finished requests. With a ``marker``, the marks the commits reached
+        are pinned before the finished requests go (a Step may commit a
+        prefill and finish its request).
 
         Raises:
             ValueError, NotFoundError: before any change.
@@ -242,6 +262,8 @@ class Session:
                 apply_commit(request, num_computed, new_token_ids)
             else:  # preempted while its forward ran: its tokens still count
                 request.token_ids.fromlist(new_token_ids)
+        if self.marked and marker is not None:
+            marker.settle(self)
         for request in checked.finished:
             self.release(manager, request)
         return AppliedReports(checked.arrivals, [r.request_id for r in checked.finished])
@@ -314,6 +336,12 @@ def _new_request(manager: KVCacheManager, new: pb.NewRequest, index: int, sessio
         request = manager.new_request(new.request_id, new.prompt_token_ids, new.cache_salt, new.extra_keys[:])
     except ValueError as exc:
         raise ValueError(f"{where}.prompt_token_ids: {exc}") from None
+    if new.HasField("cache_marks") and new.cache_marks.marks:
+        try:
+            check_marks(new.cache_marks, len(request.token_ids))
+        except FieldError as exc:
+            raise exc.within(f"{where}.cache_marks") from None
+        request.marks = PendingMarks.of(new.cache_marks)
     request.priority = new.priority
     request.max_end = len(request.token_ids) + max(new.max_new_tokens - 1, 0)
     if new.HasField("max_cached_tokens"):

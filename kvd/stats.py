@@ -79,7 +79,7 @@ def collect_stats(cache: KVCache | None, sessions: SessionRegistry, quarantine: 
         evictions=pool.num_evictions,
         query_tokens=manager.query_tokens,
         hit_tokens=manager.hit_tokens,
-        num_pins=len(pins.pins),
+        num_pins=pins.num_pins,
         **sessions_part,
         **_tier_stats(cache),
         **_disk_stats(cache),

@@ -1,4 +1,4 @@
-"""The ASGI app: each surface's routes, the probes, the request counters, and every error in OpenAI's shape."""
+"""The ASGI app: each surface's routes, the probes, the request counters, and errors in each API's shape."""
 
 from __future__ import annotations
 
@@ -8,7 +8,14 @@ from collections.abc import Sequence
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from gateway.http_api import models, openai_completions, server_routes, templates_routes, tokenize_routes
+from gateway.http_api import (
+    anthropic_messages,
+    models,
+    openai_completions,
+    server_routes,
+    templates_routes,
+    tokenize_routes,
+)
 from gateway.http_api.common import ApiState, api_state
 from gateway.http_api.errors import add_error_handlers
 from gateway.http_api.metrics import HttpMetrics
@@ -17,7 +24,7 @@ from gateway.request_path import RequestPath
 from kvd.common.grpc_server import OpenCalls
 
 #: The API surfaces, one module of routes each.
-SURFACES = (openai_completions, models, tokenize_routes, templates_routes, server_routes)
+SURFACES = (openai_completions, anthropic_messages, models, tokenize_routes, templates_routes, server_routes)
 
 
 def create_app(

@@ -1,4 +1,5 @@
-"""Errors as HTTP replies, in OpenAI's shape, for every surface of the HTTP API.
+"""Errors as HTTP replies, in OpenAI's shape for every surface of the HTTP API
+but Anthropic's (``/v1/messages``), whose errors are in its own shape.
 
 A ``RequestError``'s gRPC status maps to HTTP as OpenAI's API uses them (the
 ``openai`` client picks its exception class by the HTTP status), and its
@@ -97,6 +98,28 @@ OPENAI_PARAM = {
 }
 
 
+#: Anthropic's error types by HTTP status.
+ANTHROPIC_ERROR_TYPE = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    499: "cancelled",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+
+#: The paths whose errors are in Anthropic's shape.
+ANTHROPIC_PATHS = "/v1/messages"
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    return {"type": "error", "error": {"type": ANTHROPIC_ERROR_TYPE.get(status, "api_error"), "message": message}}
+
+
 class ApiError(Exception):
     """An error reply: its HTTP status and OpenAI's error fields."""
 
@@ -142,8 +165,15 @@ def add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, _internal)
 
 
+def _reply(request: Request, error: ApiError) -> JSONResponse:
+    """``error`` in the shape of the API the request called."""
+    if request.url.path.startswith(ANTHROPIC_PATHS):
+        return JSONResponse(anthropic_error_body(error.status, error.message), status_code=error.status)
+    return JSONResponse(error.body(), status_code=error.status)
+
+
 async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return _reply(request, exc)
 
 
 async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -159,13 +189,13 @@ async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONRe
         message = message.removeprefix("Value error, ")
     elif param:
         message = f"{param}: {message}"
-    return JSONResponse(ApiError(400, message, param, "invalid_argument").body(), status_code=400)
+    return _reply(request, ApiError(400, message, param, "invalid_argument"))
 
 
 async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
-    return JSONResponse(ApiError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
+    return _reply(request, ApiError(exc.status_code, str(exc.detail)))
 
 
 async def _internal(request: Request, exc: Exception) -> JSONResponse:
     log.error("internal error", exc_info=exc, extra={"path": request.url.path})
-    return JSONResponse(ApiError(500, "internal error; see the gateway's log", code="internal").body(), 500)
+    return _reply(request, ApiError(500, "internal error; see the gateway's log", code="internal"))

@@ -1,9 +1,10 @@
 """The HTTP API's Prometheus metrics: its requests by route and status, and the process's own.
 
-The gateway keeps no other metrics; ``GET /metrics`` (``server_routes``)
-serves this registry in Prometheus' text format. Requests are counted by an
-ASGI wrapper (not a ``BaseHTTPMiddleware``, which would buffer a stream and
-hide its client's disconnect from the route).
+Beside them, the prompt cache's per tenant (``cache_diagnosis``: hit rates,
+where prompts diverge), counted by every request path. ``GET /metrics``
+(``server_routes``) serves this registry in Prometheus' text format.
+Requests are counted by an ASGI wrapper (not a ``BaseHTTPMiddleware``, which
+would buffer a stream and hide its client's disconnect from the route).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, Counter, Gauge, GCCollector, PlatformCollector, ProcessCollector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway import cache_diagnosis
 from kvd.common.grpc_server import OpenCalls
 
 
@@ -32,6 +34,7 @@ class HttpMetrics:
         )
         limit = Gauge("kvd_gateway_max_open_requests", "generations held at once at most", registry=self.registry)
         limit.set(open_calls.limit)
+        cache_diagnosis.register(self.registry)
 
     def count_requests(self, app: FastAPI) -> None:
         """Counts every request ``app`` answers, by its route's path (``unmatched``: no route)."""
