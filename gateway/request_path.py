@@ -339,6 +339,8 @@ def add_message(whole: pb.GenerateResponse, message: pb.GenerateResponse) -> Non
     if message.HasField("prompt_logprobs"):
         whole.prompt_logprobs.CopyFrom(message.prompt_logprobs)
     whole.tool_calls.extend(message.tool_calls)
+    if message.HasField("cache_diagnosis"):
+        whole.cache_diagnosis.CopyFrom(message.cache_diagnosis)
     if message.HasField("usage"):
         whole.finish_reason = message.finish_reason
         whole.usage.CopyFrom(message.usage)
