@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
+from google.protobuf import json_format
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kvd_api.daemon.v1 import daemon_pb2 as dpb
@@ -149,6 +150,11 @@ def diagnosis(
     d.text_after = decode(_ids(token_ids, at, at + window))
     d.earlier_text_after = decode(_ids(earlier, at, at + window))
     return d
+
+
+def as_json(d: pb.CacheDiagnosis) -> dict:
+    """A diagnosis as the HTTP APIs show it: the proto's field names, every field, tiers by name."""
+    return json_format.MessageToDict(d, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 
 def cached_runs(usage: pb.Usage) -> list[pb.CachedRun]:

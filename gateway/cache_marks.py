@@ -161,6 +161,22 @@ def _common_length(a: Sequence[int], b: Sequence[int]) -> int:
     return next((i for i in range(n) if a[i] != b[i]), n)
 
 
+def mark_parts(
+    request: pb.GenerateRequest, message: int, ttls: Sequence[pb.CacheTtl.ValueType | None], lengths: Sequence[int],
+    joiner: str,
+) -> None:  # fmt: skip
+    """Breakpoints for the marked parts of a message whose content is its
+    parts' texts joined by ``joiner``: part i (``lengths[i]`` characters,
+    marked when ``ttls[i]`` is set) keeps the content through it; the last
+    part, the whole message (its end-of-turn tokens too)."""
+    chars = 0
+    for i, (ttl, length) in enumerate(zip(ttls, lengths, strict=True)):
+        chars += length + (len(joiner) if i else 0)
+        if ttl is not None:
+            whole = i == len(lengths) - 1
+            request.cache_breakpoints.add(message=message, content_chars=0 if whole else chars, ttl=ttl)
+
+
 def chat_prefix(chat: epb.ChatPrompt, message: int, content_chars: int) -> epb.ChatPrompt:
     """``chat``'s messages through ``message`` (its content cut after
     ``content_chars``, 0: whole), rendered as ``chat`` is but with no

@@ -68,15 +68,20 @@ class GatewayClient:
         template: str = "",
         cache_salt: bytes = b"",
         cache_key: str = "",
+        cache_breakpoints: Sequence[pb.CacheBreakpoint] = (),
+        diagnose_cache: bool = False,
         **sampling,
     ) -> pb.GenerateRequest:
         """A request: ``prompt`` as text or token ids, or ``chat`` as (role,
         content) pairs; ``cache_key`` keeps requests sharing it on one replica;
-        ``sampling`` takes the SamplingParams fields (max_new_tokens,
-        temperature, top_p, top_k, seed, stop, ignore_eos, ...)."""
+        ``cache_breakpoints`` keep prefixes cached for a while (``gateway.cache_marks``);
+        ``diagnose_cache`` asks why the prompt missed the cache; ``sampling``
+        takes the SamplingParams fields (max_new_tokens, temperature, top_p,
+        top_k, seed, stop, ignore_eos, ...)."""
         request = pb.GenerateRequest(
-            template=template, cache_salt=cache_salt, cache_key=cache_key, sampling=epb.SamplingParams(**sampling)
-        )
+            template=template, cache_salt=cache_salt, cache_key=cache_key, sampling=epb.SamplingParams(**sampling),
+            cache_breakpoints=cache_breakpoints, diagnose_cache=diagnose_cache,
+        )  # fmt: skip
         if chat:
             request.chat.messages.extend(epb.ChatMessage(role=r, content=c) for r, c in chat)
         elif isinstance(prompt, str):

@@ -26,6 +26,7 @@ from google.protobuf.json_format import MessageToDict
 from gateway.client import GatewayClient
 from kvd.common.defaults import GATEWAY_ADDRESS
 from kvd.common.settings import EPILOG, Setting
+from kvd_api.gateway.v1 import gateway_pb2 as pb
 
 
 def _show(message) -> None:
@@ -121,23 +122,30 @@ def update(kvd: GatewayClient, name: str, ttl: int | None, description: str | No
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)
 @click.option("--temperature", type=float)
 @click.option("--seed", type=int)
+@click.option("--cache-ttl", type=click.Choice(["5m", "1h"]), help="keep the whole prompt cached this long")
+@click.option("--diagnose-cache", is_flag=True, help="say why the prompt missed the cache")
 @click.pass_obj
-def generate(kvd: GatewayClient, prompt: str, template_name: str, chat: bool, stream: bool, **sampling) -> None:
+def generate(
+    kvd: GatewayClient, prompt: str, template_name: str, chat: bool, stream: bool, cache_ttl: str | None,
+    diagnose_cache: bool, **sampling,
+) -> None:  # fmt: skip
     sampling = {k: v for k, v in sampling.items() if v is not None}
     text = {"chat": [("user", prompt)]} if chat else {"prompt": prompt}
-    if not stream:
-        reply = kvd.complete(**text, template=template_name, **sampling)
-        click.echo(reply.text)
-        _show(reply.usage)
-        return
-    usage = None
-    for chunk in kvd.generate(**text, template=template_name, **sampling):
-        click.echo(chunk.text, nl=False)
+    if cache_ttl:
+        ttl = pb.CACHE_TTL_1H if cache_ttl == "1h" else pb.CACHE_TTL_5M
+        sampling["cache_breakpoints"] = [pb.CacheBreakpoint(prompt=True, ttl=ttl)]
+    args = {**text, "template": template_name, "diagnose_cache": diagnose_cache, **sampling}
+    last = None
+    for reply in kvd.generate(**args) if stream else [kvd.complete(**args)]:
+        click.echo(reply.text, nl=not stream)
         sys.stdout.flush()
-        usage = chunk.usage if chunk.HasField("usage") else usage
-    click.echo()
-    if usage is not None:
-        _show(usage)
+        last = reply if reply.HasField("usage") else last
+    if stream:
+        click.echo()
+    if last is not None:
+        _show(last.usage)
+        if last.HasField("cache_diagnosis"):
+            _show(last.cache_diagnosis)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,9 @@ A stream is Anthropic's events: ``message_start``, one text block
 ``message_delta`` with the stop reason and the whole usage (which is known
 only then: ``message_start`` carries zeros), ``message_stop``; an error after
 the first event is an ``error`` event. Errors are in Anthropic's
-shape (``errors``).
+shape (``errors``). A request with ``diagnostics`` gets Anthropic's
+``diagnostics.cache_miss_reason`` and kvd's token-level diagnosis beside it
+(``anthropic_diagnostics``).
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ from collections.abc import AsyncIterator, Iterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from google.protobuf import json_format
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
+from gateway.cache_diagnosis import as_json
+from gateway.cache_marks import mark_parts
+from gateway.http_api.anthropic_diagnostics import MessageRecords, PromptRecord, miss_reason
 from gateway.http_api.anthropic_schemas import BLOCK_JOINER, CountTokensRequest, MessagesRequest, TextBlock
 from gateway.http_api.common import StartedStream, api_state, on_thread, open_generation, start_stream, whole
 from gateway.http_api.errors import anthropic_error_body, api_error
@@ -83,7 +87,11 @@ async def messages(body: MessagesRequest, request: Request):
     def replies() -> Iterator[pb.GenerateResponse]:
         _, info = served_model(state, key, body.model)
         tenant = requests.authorize(key, SCOPE_GENERATE).tenant
-        yield from requests.generate(tenant, generate_request(body, info.default_sampling), call)
+        gateway_request = generate_request(body, info.default_sampling)
+        if body.diagnostics is not None:
+            reply.diagnose(state.message_records, PromptRecord(tenant, body.model, gateway_request.chat),
+                           body.diagnostics.previous_message_id, requests.tokenize_chat)  # fmt: skip
+        yield from requests.generate(tenant, gateway_request, call)
 
     if not body.stream:
 
@@ -119,7 +127,7 @@ async def count_tokens(body: CountTokensRequest, request: Request):
 
 def generate_request(body: MessagesRequest, defaults: epb.SamplingParams | None = None) -> pb.GenerateRequest:
     """The gateway's request for a Messages body (its breakpoints placed on its messages)."""
-    out = pb.GenerateRequest(diagnose_cache=body.kvd_diagnose_cache)
+    out = pb.GenerateRequest(diagnose_cache=body.diagnostics is not None)
     chat = out.chat
     if (system := body.system_text()) is not None:
         chat.messages.add(role="system", content=system)
@@ -139,14 +147,8 @@ def generate_request(body: MessagesRequest, defaults: epb.SamplingParams | None 
 
 
 def _mark_blocks(out: pb.GenerateRequest, message: int, blocks: list[TextBlock]) -> None:
-    """A breakpoint for each marked block: the message's content through that block."""
-    chars = 0
-    for i, block in enumerate(blocks):
-        chars += len(block.text) + (len(BLOCK_JOINER) if i else 0)
-        if block.cache_control is not None:
-            last = i == len(blocks) - 1  # the whole message, its end-of-turn tokens too
-            out.cache_breakpoints.add(message=message, content_chars=0 if last else chars,
-                                      ttl=block.cache_control.proto_ttl())  # fmt: skip
+    ttls = [None if b.cache_control is None else b.cache_control.proto_ttl() for b in blocks]
+    mark_parts(out, message, ttls, [len(b.text) for b in blocks], BLOCK_JOINER)
 
 
 def _sampling(sampling: epb.SamplingParams, body: MessagesRequest, defaults: epb.SamplingParams | None) -> None:
@@ -200,6 +202,15 @@ class Reply:
         self.id = "msg_" + secrets.token_hex(12)
         self.model = model
         self.stops = stops
+        self.diagnostics: dict | None = None  # asked for: Anthropic's, then kvd's beside it at the end
+
+    def diagnose(self, records: MessageRecords, record: PromptRecord, previous_id: str | None, token_ids) -> None:
+        """Works out why this request missed ``previous_id``'s prefix (none: there is nothing to compare),
+        and remembers this one for the next."""
+        previous = records.get(previous_id) if previous_id else None
+        reason = miss_reason(previous, record, token_ids) if previous_id else None
+        self.diagnostics = {"cache_miss_reason": reason}
+        records.add(self.id, record)
 
     def whole(self, merged: pb.GenerateResponse) -> dict:
         stops = StopSequences(self.stops)
@@ -212,8 +223,8 @@ class Reply:
             "stop_sequence": stop,
             "usage": usage(merged.usage),
         }
-        if merged.HasField("cache_diagnosis"):
-            out["kvd_cache_diagnosis"] = diagnosis(merged.cache_diagnosis)
+        if self.diagnostics is not None:
+            out["diagnostics"] = {**self.diagnostics, "kvd_cache_diagnosis": as_json(merged.cache_diagnosis)}
         return out
 
     def _head(self) -> dict:
@@ -221,6 +232,8 @@ class Reply:
 
     def start_events(self) -> list[ServerSentEvent]:
         started = {**self._head(), "content": [], "stop_reason": None, "stop_sequence": None}
+        if self.diagnostics is not None:  # known before the first token (kvd's comes with message_delta)
+            started["diagnostics"] = self.diagnostics
         started["usage"] = usage(pb.Usage())  # known at the end only: message_delta has it
         return [
             _event("message_start", {"type": "message_start", "message": started}),
@@ -238,8 +251,8 @@ class Reply:
                 out.append(_delta(tail))
             delta = {"stop_reason": _STOP_REASON.get(message.finish_reason, "end_turn"), "stop_sequence": stop}
             end = {"type": "message_delta", "delta": delta, "usage": usage(message.usage)}
-            if message.HasField("cache_diagnosis"):
-                end["kvd_cache_diagnosis"] = diagnosis(message.cache_diagnosis)
+            if self.diagnostics is not None:
+                end["kvd_cache_diagnosis"] = as_json(message.cache_diagnosis)
             out += [
                 _event("content_block_stop", {"type": "content_block_stop", "index": 0}),
                 _event("message_delta", end),
@@ -294,8 +307,3 @@ def usage(u: pb.Usage) -> dict:
             "time_to_first_token_s": u.time_to_first_token_s,
         },
     }
-
-
-def diagnosis(d: pb.CacheDiagnosis) -> dict:
-    """A cache diagnosis as JSON (the proto's field names; tiers by name)."""
-    return json_format.MessageToDict(d, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)

@@ -6,7 +6,8 @@ Every field either works, changes nothing, or is refused with a 400 naming it:
   blocks), ``messages`` (``user`` and ``assistant`` turns of a string or
   text blocks), ``temperature``, ``top_p``, ``top_k``, ``stop_sequences``,
   ``stream``, and ``cache_control`` on the top level, on system blocks and
-  on message blocks (``gateway.cache_marks``); kvd's ``kvd_diagnose_cache``;
+  on message blocks (``gateway.cache_marks``), ``diagnostics``
+  (``anthropic_diagnostics``);
 - accepted, changing nothing: ``metadata``, ``service_tier``, a disabled
   ``thinking``;
 - refused: blocks other than text (images, documents, tool use: not
@@ -21,24 +22,17 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from gateway.http_api.common import Int32
-from gateway.http_api.openai_schemas import Body
+from gateway.http_api.openai_schemas import Body, CacheControl
 from kvd.common.field_error import FieldError
-from kvd_api.gateway.v1 import gateway_pb2 as pb
 
 #: How the text blocks of one message join into its content (as the OpenAI surface joins text parts).
 BLOCK_JOINER = "\n"
 
-_TTLS = {"5m": pb.CACHE_TTL_5M, "1h": pb.CACHE_TTL_1H}
 
+class Diagnostics(Body):
+    """``{"previous_message_id": "msg_..." | null}``: say why this request missed that one's cached prefix."""
 
-class CacheControl(Body):
-    """``{"type": "ephemeral", "ttl": "5m" | "1h"}``: keep the prompt up to here cached."""
-
-    type: Literal["ephemeral"]
-    ttl: Literal["5m", "1h"] | None = None
-
-    def proto_ttl(self) -> pb.CacheTtl.ValueType:
-        return _TTLS[self.ttl or "5m"]
+    previous_message_id: str | None = None
 
 
 class TextBlock(Body):
@@ -90,7 +84,7 @@ class MessagesRequest(Body):
     thinking: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: dict[str, Any] | None = None
-    kvd_diagnose_cache: bool = False
+    diagnostics: Diagnostics | None = None
 
     @field_validator("system", mode="before")
     @classmethod

@@ -16,6 +16,7 @@ from gateway.http_api import (
     templates_routes,
     tokenize_routes,
 )
+from gateway.http_api.anthropic_diagnostics import MessageRecords
 from gateway.http_api.common import ApiState, api_state
 from gateway.http_api.errors import add_error_handlers
 from gateway.http_api.metrics import HttpMetrics
@@ -36,7 +37,9 @@ def create_app(
     # No redirects: a path with a trailing slash (an empty template name) is a 404, as any unknown path.
     app = FastAPI(title="kvd", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     metrics = HttpMetrics(open_calls)
-    app.state.api = ApiState(requests, threads, open_calls, int(time.time()), tuple(served_model_names), metrics)
+    app.state.api = ApiState(
+        requests, threads, open_calls, int(time.time()), tuple(served_model_names), metrics, MessageRecords()
+    )
     for surface in SURFACES:
         app.include_router(surface.router)
     app.add_api_route("/health", health, methods=["GET"])

@@ -18,6 +18,7 @@ from typing import Annotated, Generic, NamedTuple, TypeVar
 from fastapi import Request
 from pydantic import Field
 
+from gateway.http_api.anthropic_diagnostics import MessageRecords
 from gateway.http_api.errors import ApiError, api_error
 from gateway.http_api.metrics import HttpMetrics
 from gateway.http_api.threads import HttpCall, WorkerThreads
@@ -43,6 +44,7 @@ class ApiState:
         started: when the app was made (seconds since the epoch), the model's ``created``.
         served_model_names: the model's names (``--served-model-name``); empty: its own (``models``).
         metrics: the HTTP API's Prometheus registry and counters.
+        message_records: the Messages API's requests that later ones may ask diagnostics against.
     """
 
     requests: RequestPath
@@ -51,6 +53,7 @@ class ApiState:
     started: int
     served_model_names: tuple[str, ...]
     metrics: HttpMetrics
+    message_records: MessageRecords
 
 
 def api_state(request: Request) -> ApiState:

@@ -89,6 +89,7 @@ OPENAI_PARAM = {
     "text": "prompt",
     "template": "template",
     "cache_key": "prompt_cache_key",
+    "cache_breakpoints": "cache_control",
     "name": "name",
     "content": "content",
     "ttl_seconds": "ttl_seconds",

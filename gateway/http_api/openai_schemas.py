@@ -10,7 +10,9 @@ Every field either works, changes nothing (and is accepted), or is refused:
   ``tools``, ``tool_choice``, ``parallel_tool_calls``, assistant messages
   with ``tool_calls`` and ``tool`` messages, messages with ``name`` and text parts,
   ``add_generation_prompt``, ``continue_final_message``,
-  ``chat_template_kwargs``, kvd's ``template``; on completions ``echo``
+  ``chat_template_kwargs``, ``cache_control`` (on the request, a message or
+  a text part: explicit caching, as Anthropic's), kvd's ``template`` and
+  ``kvd_diagnose_cache``; on completions ``echo``
   (with ``logprobs``: the prompt's logprobs) and ``max_tokens`` 0 with it;
 - accepted, changing nothing (``_NO_OP`` lists the values that do): ``user``,
   ``safety_identifier``, ``store``, ``metadata``, ``best_of`` of 1,
@@ -33,6 +35,7 @@ from gateway.http_api.common import Int64
 from gateway.http_api.openai_constraints import constraint_of
 from kvd.common.field_error import FieldError
 from kvd_api.engine.v1 import engine_pb2 as epb
+from kvd_api.gateway.v1 import gateway_pb2 as pb
 
 #: A completions request's prompts at most (each one is a generation).
 MAX_PROMPTS = 1024
@@ -105,10 +108,27 @@ class StreamOptions(Body):
     include_obfuscation: bool | None = None  # OpenAI's padding of chunks: kvd adds none
 
 
+_TTLS = {"5m": pb.CACHE_TTL_5M, "1h": pb.CACHE_TTL_1H}
+#: How a message's text parts join into its content.
+PART_JOINER = "\n"
+
+
+class CacheControl(Body):
+    """``{"type": "ephemeral", "ttl": "5m" | "1h"}`` (Anthropic's, and OpenAI-style
+    gateways' on content parts): keep the prompt up to here cached (``gateway.cache_marks``)."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+    def proto_ttl(self) -> pb.CacheTtl.ValueType:
+        return _TTLS[self.ttl or "5m"]
+
+
 class ContentPart(Body):
     type: Literal["text", "refusal"]
     text: str | None = None
     refusal: str | None = None
+    cache_control: CacheControl | None = None
 
     def part_text(self) -> str:
         return (self.text if self.type == "text" else self.refusal) or ""
@@ -160,6 +180,7 @@ class ChatMessage(Body):
     refusal: str | None = None
     audio: Any = None
     annotations: Any = None  # the reply's citations: nothing to render
+    cache_control: CacheControl | None = None  # the prompt through this message
 
     @field_validator("content", mode="before")
     @classmethod
@@ -196,7 +217,7 @@ class ChatMessage(Body):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "\n".join(part.part_text() for part in self.content)
+        return PART_JOINER.join(part.part_text() for part in self.content)
 
 
 class Sampling(Body):
@@ -222,8 +243,11 @@ class Sampling(Body):
     include_stop_str_in_output: bool | None = None
     prompt_cache_key: str | None = None
     n: int | None = Field(default=None, ge=1, le=MAX_N)  # choices per prompt: forks of one prefill
+    # explicit caching: the whole prompt (a chat's: through its last message)
+    cache_control: CacheControl | None = None
     # kvd's own
     template: str | None = None
+    kvd_diagnose_cache: bool | None = None  # each choice says why its prompt missed the cache
     # accepted, changing nothing
     user: Any = None
     safety_identifier: Any = None

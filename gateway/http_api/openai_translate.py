@@ -22,7 +22,15 @@ import secrets
 import time
 from collections.abc import Callable, Sequence
 
-from gateway.http_api.openai_schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, Sampling
+from gateway import cache_diagnosis
+from gateway.cache_marks import mark_parts
+from gateway.http_api.openai_schemas import (
+    PART_JOINER,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    Sampling,
+)
 from kvd.common.field_error import FieldError
 from kvd_api.engine.v1 import engine_pb2 as epb
 from kvd_api.gateway.v1 import gateway_pb2 as pb
@@ -64,7 +72,24 @@ def generate_request(body: ChatCompletionRequest, defaults: epb.SamplingParams |
     _sampling(out.sampling, body, defaults)
     if body.new_tokens() is None:
         out.sampling.max_new_tokens_to_context = True  # OpenAI's chat: up to the end of the context
+    _chat_breakpoints(out, body)
+    out.diagnose_cache = bool(body.kvd_diagnose_cache)
     return out
+
+
+def _chat_breakpoints(out: pb.GenerateRequest, body: ChatCompletionRequest) -> None:
+    """``cache_control`` on text parts, messages and the request (through the last message)."""
+    for i, message in enumerate(body.messages):
+        if isinstance(message.content, list):
+            ttls = [None if p.cache_control is None else p.cache_control.proto_ttl() for p in message.content]
+            mark_parts(out, i, ttls, [len(p.part_text()) for p in message.content], PART_JOINER)
+        if message.cache_control is not None:
+            out.cache_breakpoints.add(message=i, ttl=message.cache_control.proto_ttl())
+    if body.cache_control is not None:
+        if body.messages:
+            out.cache_breakpoints.add(message=len(body.messages) - 1, ttl=body.cache_control.proto_ttl())
+        else:  # a template alone
+            out.cache_breakpoints.add(prompt=True, ttl=body.cache_control.proto_ttl())
 
 
 def completion_requests(
@@ -87,6 +112,9 @@ def completion_requests(
             out.sampling.prompt_logprobs = True
             out.sampling.prompt_top_logprobs = body.logprobs or 0
         _sampling(out.sampling, body, defaults)
+        if body.cache_control is not None:
+            out.cache_breakpoints.add(prompt=True, ttl=body.cache_control.proto_ttl())
+        out.diagnose_cache = bool(body.kvd_diagnose_cache)
         if body.max_tokens is None:
             out.sampling.max_new_tokens = COMPLETION_MAX_TOKENS
         requests.append(out)
@@ -175,9 +203,18 @@ def usage(u: pb.Usage) -> dict:
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
+        "prompt_tokens_details": {
+            "cached_tokens": u.cached_prompt_tokens,
+            # kvd's extension: what the request's cache_control marks wrote to the cache, by TTL
+            "cache_creation_tokens": u.cache_creation_tokens,
+            "cache_creation": {
+                "ephemeral_5m_input_tokens": u.cache_creation_5m_tokens,
+                "ephemeral_1h_input_tokens": u.cache_creation_1h_tokens,
+            },
+        },
         "kvd": {
             "template_tokens": u.template_tokens,
+            "unpinned_breakpoints": u.unpinned_breakpoints,
             "host_cached_tokens": u.host_cached_prompt_tokens,
             "disk_cached_tokens": u.disk_cached_prompt_tokens,
             "time_to_first_token_s": u.time_to_first_token_s,
@@ -230,7 +267,8 @@ def completion_body(
             if reply.tool_calls:
                 message["content"] = reply.text or None  # OpenAI's: null beside calls, unless the model said more
                 message["tool_calls"] = [_call(call) for call in reply.tool_calls]
-            choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish})
+            choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish,
+                            **_diagnosis(reply)})  # fmt: skip
             continue
         echo = echoes[index // forks] if echoes is not None else ""
         logprobs = None
@@ -238,7 +276,8 @@ def completion_body(
             logprobs = _logprobs(reply, chat, token_text, len(echo))
             if reply.HasField("prompt_logprobs"):
                 logprobs = _joined(_scored_prompt(reply.prompt_logprobs, token_text), logprobs)
-        choices.append({"index": index, "text": echo + reply.text, "logprobs": logprobs, "finish_reason": finish})
+        choices.append({"index": index, "text": echo + reply.text, "logprobs": logprobs, "finish_reason": finish,
+                        **_diagnosis(reply)})  # fmt: skip
     return {
         "id": completion_id(chat),
         "object": "chat.completion" if chat else "text_completion",
@@ -318,7 +357,7 @@ class Chunks:
                 choice = {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish}
             else:
                 choice = {"index": index, "text": "", "logprobs": None, "finish_reason": finish}
-            out.append(self._chunk(choice))
+            out.append(self._chunk({**choice, **_diagnosis(message)}))
             self._usages[index] = message.usage
             self._finished += 1
             if self.include_usage and self._finished == len(self._usages):
@@ -337,6 +376,13 @@ class Chunks:
         if self.include_usage:
             chunk["usage"] = None  # OpenAI's chunks before the last carry a null usage
         return chunk
+
+
+def _diagnosis(reply: pb.GenerateResponse) -> dict:
+    """A choice's ``kvd_cache_diagnosis`` when its request asked for one (``kvd_diagnose_cache``)."""
+    if not reply.HasField("cache_diagnosis"):
+        return {}
+    return {"kvd_cache_diagnosis": cache_diagnosis.as_json(reply.cache_diagnosis)}
 
 
 def finish_reason(reply: pb.GenerateResponse) -> str:

@@ -19,14 +19,19 @@ import asyncio
 import json
 import secrets
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 
 import anthropic
 import httpx2 as httpx
+import openai
 import pytest
 
+from gateway.client import GatewayClient
 from kvd.common.client import DaemonClient
+from kvd_api.gateway.v1 import gateway_pb2 as pb
 from tests.conftest import http_stack, wait_for
 from tests.integration.engine_client import reference_greedy
 
@@ -257,31 +262,97 @@ def test_two_tenants_marking_the_same_prefix_never_read_each_others_blocks(stack
     assert usage("globex-key")["cache_read_input_tokens"] >= acme["cache_creation_input_tokens"]
 
 
-def test_the_diagnosis_names_where_a_system_prompts_timestamp_changed(stack, model, tokenizer):
+def test_the_diagnosis_names_where_a_system_prompts_timestamp_changed(client, stack, model, tokenizer):
+    """Asked as the client asks (``diagnostics``): Anthropic's reason, and kvd's token-level detail beside it."""
     rules = system_prompt(300, tokenizer)
+    turn = [{"role": "user", "content": "Hi"}]
 
-    def ask(stamp: str) -> dict:
-        body = {"model": model, "max_tokens": 1, "kvd_diagnose_cache": True,
-                "system": f"{rules}\nCurrent time: {stamp}.\n{FILLER * 3}",
-                "messages": [{"role": "user", "content": "Hi"}]}  # fmt: skip
-        reply = httpx.post(f"{stack.base_url}/messages", json=body, headers={"x-api-key": "acme-key"}, timeout=300)
-        assert reply.status_code == 200, reply.text
-        return reply.json()
+    def system(stamp: str) -> str:
+        return f"{rules}\nCurrent time: {stamp}.\n{FILLER * 3}"
 
-    ask("2026-11-29 10:15:02")
-    second = ask("2026-11-29 10:15:09")
-    diagnosis = second["kvd_cache_diagnosis"]
-    ids = rendered(tokenizer, f"{rules}\nCurrent time: 2026-11-29 10:15:09.\n{FILLER * 3}", [
-        {"role": "user", "content": "Hi"}])  # fmt: skip
-    earlier = rendered(tokenizer, f"{rules}\nCurrent time: 2026-11-29 10:15:02.\n{FILLER * 3}", [
-        {"role": "user", "content": "Hi"}])  # fmt: skip
+    def ask(stamp: str, previous: str | None):
+        return client.messages.create(
+            model=model,
+            max_tokens=1,
+            system=system(stamp),
+            messages=turn,
+            diagnostics={"previous_message_id": previous},
+        )
+
+    first = ask("2026-11-29 10:15:02", None)
+    assert first.diagnostics.cache_miss_reason is None  # nothing to compare with
+    second = ask("2026-11-29 10:15:09", first.id)
+    ids, earlier = (
+        rendered(tokenizer, system("2026-11-29 10:15:09"), turn),
+        rendered(tokenizer, system("2026-11-29 10:15:02"), turn),
+    )
     at = next(i for i, (a, b) in enumerate(zip(ids, earlier, strict=False)) if a != b)
-    assert diagnosis["has_earlier"] and diagnosis["common_tokens"] == at
-    assert int(diagnosis["token"]) == ids[at] and int(diagnosis["earlier_token"]) == earlier[at]
-    assert "10:15:0" in diagnosis["text_before"] + diagnosis["text_after"]
-    assert diagnosis["cached_tokens"] == at // BLOCK * BLOCK
+    reason = second.diagnostics.cache_miss_reason
+    assert reason.type == "system_changed" and reason.cache_missed_input_tokens == len(earlier) - at
+    detail = second.diagnostics.model_extra["kvd_cache_diagnosis"]
+    assert detail["has_earlier"] and detail["common_tokens"] == at
+    assert int(detail["token"]) == ids[at] and int(detail["earlier_token"]) == earlier[at]
+    assert "10:15:0" in detail["text_before"] + detail["text_after"]
+    assert detail["cached_tokens"] == at // BLOCK * BLOCK
+    appended = client.messages.create(
+        model=model, max_tokens=1, system=system("2026-11-29 10:15:09"), diagnostics={"previous_message_id": second.id},
+        messages=[*turn, {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}],
+    )  # fmt: skip
+    assert appended.diagnostics.cache_miss_reason is None  # messages only appended: nothing missed
+    other = anthropic.Anthropic(base_url=base_url(stack), api_key="globex-key", max_retries=0, timeout=300)
+    foreign = other.messages.create(
+        model=model, max_tokens=1, messages=turn, diagnostics={"previous_message_id": first.id}
+    )
+    assert foreign.diagnostics.cache_miss_reason.type == "previous_message_not_found"
     metrics = httpx.get(f"{stack.base_url.removesuffix('/v1')}/metrics").text
     assert 'kvd_gateway_prompt_diverged_at_tokens_count{tenant="acme"}' in metrics
+
+
+def test_the_openai_api_and_grpc_take_the_same_marks_and_report_the_same_split(stack, model, tokenizer):
+    """One implementation behind the three APIs: a text part's ``cache_control`` on
+    /v1/chat/completions, a breakpoint on gRPC, ``--cache-ttl`` in kvd-cli."""
+    system = system_prompt(400, tokenizer)
+    blocks = marked_blocks(tokenizer, system)
+    client = openai.OpenAI(base_url=stack.base_url, api_key="acme-key", max_retries=0, timeout=300)
+    part = {"type": "text", "text": system, "cache_control": {"type": "ephemeral", "ttl": "1h"}}
+    ask = lambda: client.chat.completions.create(  # noqa: E731
+        model=model, max_tokens=1, messages=[{"role": "system", "content": [part]}, {"role": "user", "content": "Hi"}],
+        extra_body={"kvd_diagnose_cache": True},
+    )  # fmt: skip
+    first, second = ask(), ask()
+    details = first.usage.prompt_tokens_details.model_extra
+    assert details["cache_creation_tokens"] == blocks * BLOCK == details["cache_creation"]["ephemeral_1h_input_tokens"]
+    assert second.usage.prompt_tokens_details.cached_tokens >= blocks * BLOCK
+    assert second.usage.prompt_tokens_details.model_extra["cache_creation_tokens"] == 0
+    assert second.choices[0].model_extra["kvd_cache_diagnosis"]["has_earlier"]
+
+    other = system_prompt(400, tokenizer)
+    chat = [("system", other), ("user", "Hi")]
+    mark = pb.CacheBreakpoint(message=0, ttl=pb.CACHE_TTL_5M)
+    with GatewayClient(stack.gateway.address, api_key="acme-key", timeout_s=300) as grpc_client:
+        usage = grpc_client.complete(chat=chat, cache_breakpoints=[mark], max_new_tokens=1).usage
+        again = grpc_client.complete(chat=chat, cache_breakpoints=[mark], diagnose_cache=True, max_new_tokens=1)
+    assert usage.cache_creation_tokens == usage.cache_creation_5m_tokens == marked_blocks(tokenizer, other) * BLOCK
+    assert again.usage.cached_prompt_tokens >= usage.cache_creation_tokens and again.cache_diagnosis.has_earlier
+
+    cli = [
+        sys.executable,
+        "-m",
+        "gateway.client_cli",
+        "--address",
+        stack.gateway.address,
+        "--api-key",
+        "acme-key",
+        "generate",
+        system_prompt(400, tokenizer),
+        "--max-new-tokens",
+        "1",
+        "--cache-ttl",
+        "1h",
+        "--diagnose-cache",
+    ]
+    out = subprocess.run(cli, capture_output=True, text=True, timeout=300, check=True).stdout  # fmt: skip
+    assert '"cacheCreation1hTokens"' in out and '"promptTokens"' in out, out
 
 
 def test_a_1h_mark_outlives_an_engine_restart_and_with_disk_a_daemon_sigkill(model_dir, tokenizer):
