@@ -3,7 +3,8 @@
 Each ```python block is executed against real processes started for it; the
 only change is the address it names, pointed at the test's own. The README's is
 the gateway's first request; docs/daemon.md's speaks the daemon's Step;
-docs/structured-outputs.md's parses a reply into a pydantic model.
+docs/structured-outputs.md's parses a reply into a pydantic model; docs/caching.md's
+marks a system prompt through the Messages API with the ``anthropic`` client.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 DAEMON_ADDRESS = "unix:/tmp/kvd-0/kvd.sock"
 GATEWAY_ADDRESS = "127.0.0.1:50051"
 HTTP_ADDRESS = "http://127.0.0.1:8000/v1"
+ANTHROPIC_ADDRESS = 'base_url="http://127.0.0.1:8000"'
 
 
 def python_blocks() -> list[str]:
@@ -30,7 +32,7 @@ def python_blocks() -> list[str]:
 
 def test_every_python_block_is_covered():
     blocks = python_blocks()
-    assert len(blocks) == 4
+    assert len(blocks) == 5 and sum(ANTHROPIC_ADDRESS in b for b in blocks) == 1
     assert sum(DAEMON_ADDRESS in b for b in blocks) == 1 and sum(GATEWAY_ADDRESS in b for b in blocks) == 1
     assert sum(HTTP_ADDRESS in b for b in blocks) == 2
     assert GATEWAY_ADDRESS in re.findall(r"```python\n(.*?)```", PAGES[0].read_text(), flags=re.DOTALL)[0]
@@ -79,6 +81,11 @@ def test_the_gateway_example_runs_as_written(workdir, model_dir, redis_prefix, c
         page = "docs/structured-outputs.md"
         exec(compile(structured_block.replace(HTTP_ADDRESS, f"http://{http}/v1"), page, "exec"), {})
         assert re.fullmatch(r"name='.*' country='.*' population=-?\d+", capsys.readouterr().out.strip())
+        (messages_block,) = [b for b in python_blocks() if ANTHROPIC_ADDRESS in b]
+        messages_block = messages_block.replace(ANTHROPIC_ADDRESS, f'base_url="http://{http}"')
+        exec(compile(messages_block, "docs/caching.md", "exec"), {})
+        (created, read_1), (created_2, read) = [map(int, line.split()) for line in capsys.readouterr().out.splitlines()]
+        assert created >= 16 * 20 and created_2 == 0 and read >= created  # the marked blocks, then read
     finally:
         gateway.stop()
         engine.stop()

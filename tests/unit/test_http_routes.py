@@ -347,12 +347,12 @@ def test_null_fields_no_ops_and_an_echoed_assistant_message_are_accepted(send, p
 
 
 def test_unknown_fields_are_ignored_and_named_in_a_header(send, path):
-    body = {**CHAT, "best_friend": 1, "messages": [{"role": "user", "content": "Hi", "cache_control": {}}],
+    body = {**CHAT, "best_friend": 1, "messages": [{"role": "user", "content": "Hi", "weight": 1}],
             "stream": True, "stream_options": {"include_usage": False, "continuous_usage_stats": True}}  # fmt: skip
     response = send("POST", "/v1/chat/completions", json=body, headers=AUTH)
     assert response.status_code == 200
     assert response.headers["x-kvd-ignored-fields"] == (
-        "best_friend, messages[].cache_control, stream_options.continuous_usage_stats"
+        "best_friend, messages[].weight, stream_options.continuous_usage_stats"
     )
     assert [e for e in events(response) if e != "[DONE]" and "usage" in e] == []  # no usage chunk unasked
 
