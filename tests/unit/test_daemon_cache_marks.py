@@ -20,22 +20,12 @@ from kvd.pins import PinRegistry
 from kvd.scheduler import run_step
 from kvd.session import SessionRegistry
 from kvd_api.daemon.v1 import daemon_pb2 as pb
+from tests.unit.test_daemon import ManualClock
 
 BS = 4
 LAYOUT = CacheLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_size=BS, dtype="float32")
 PROMPT = list(range(1, 11))  # two full blocks and a partial one
 OTHER = list(range(100, 110))
-
-
-class ManualClock:
-    def __init__(self) -> None:
-        self.now = time.monotonic()
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 def marks(*pairs: tuple[int, int], owner: str = "", owner_max_blocks: int = 0) -> pb.CacheMarks:
