@@ -4,38 +4,42 @@ the same workload with its marks refused, and what keeping them pinned costs.
 
     .venv/bin/python benchmarks/messages.py --json benchmarks/results/messages.json [--quick]
 
-Two stacks side by side, each a daemon (a small device pool: about three
-system prompts, no host or disk tier, so an evicted prefix is computed
+Two stacks side by side, each a daemon (a small device pool: 2.5 system
+prompts' blocks, no host or disk tier, so an evicted prefix is computed
 again), a float32 SmolLM2 engine and a gateway with its embedded Redis,
 called on ``/v1/messages`` with the ``anthropic`` client:
 
 - ``marks_honoured``: the gateway's default (no per-tenant pin quota): the
   daemon pins each marked prefix for its TTL (``5m``), refreshed by every
-  request that marks it again.
+  request that marks it again (under its pin cap, ``--max-pinned-fraction``).
 - ``marks_ignored``: the same, with ``--max-pinned-blocks 1``: every mark is
-  over the tenant's quota, refused and counted in ``usage.kvd.
-  unpinned_breakpoints``, so a marked prefix is evicted by the pressure
-  exactly as an unmarked one.
+  over the tenant's quota, refused and counted in
+  ``usage.kvd.unpinned_breakpoints``, so a marked prefix is evicted by the
+  pressure exactly as an unmarked one.
 
 The workload, the same in both (same seed, same prompts): ``--agents``
-conversations with one ~2,000-token system prompt (``cache_control`` on the
-system block) take ``--turns`` turns each, one marked request at a time,
+conversations share one ~2,000-token system prompt (``cache_control`` on the
+system block) and take ``--turns`` turns each, one marked request at a time,
 agent after agent; each turn's user message (``cache_control`` on its text
 block: the latest turn is marked, as Anthropic advises) gets a greedy reply
 of ``--reply-tokens`` tokens that stays in the conversation. Meanwhile
 ``--pressure-clients`` clients send distinct, unmarked, long prompts back to
-back (one output token each); before each marked request the agent waits
-until the pressure has evicted ``--pool-cycles`` times the pool's blocks
-since the previous marked request ended. The agents' turns are split into
-``--rounds`` rounds, the two stacks taking turns round by round (the order
-alternating), so the machine's drift falls on both alike.
+back (one output token each). Before each marked request but a stack's
+first, the agent waits until the pressure has evicted ``--pool-cycles``
+times the pool's blocks since the previous marked request ended (so even
+the shared system prompt is evicted unless pinned; between one agent's
+turns the pool turns over about ``--agents`` times). Only the marked
+requests' time to first token is measured: new pressure waits while a
+marked reply streams (the requests in flight go on). The turns are split
+into ``--rounds`` rounds, the two stacks taking turns round by round (the
+order alternating), so the machine's drift falls on both alike.
 
 Measured per stack: the marked requests' time to first token (the first text
-delta of the stream, by the client's clock), their cache reads and cache
-creation (sums of Anthropic's usage), the unmarked requests' time to first
-token (a one-token reply's time), and ``pinned_block_seconds``: the integral
-of the daemon's ``num_pinned_blocks`` (sampled every ``--sample-s``) over
-the stack's own rounds.
+delta of the stream, by the client's clock; the first request is cold on
+both), their cache reads and cache creation (sums of Anthropic's usage),
+the unmarked requests' time to first token (a one-token reply's time), and
+``pinned_block_seconds``: the integral of the daemon's ``num_pinned_blocks``
+(sampled every ``--sample-s``) over the stack's own rounds.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ import random
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,25 +72,26 @@ TOPICS = ("a delayed shipment", "a refund", "a broken part", "an invoice", "a pa
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = harness.parser(__doc__, quick_help="a small workload (under two minutes)")
     p.add_argument("--agents", type=int, default=2, help="agent conversations sharing the system prompt")
-    p.add_argument("--turns", type=int, help="marked turns per agent (default 6; quick 2)")
-    p.add_argument("--rounds", type=int, help="rounds the turns are split into (default 2; quick 1)")
-    p.add_argument("--system-tokens", type=int, default=2000, help="the agents' marked system prompt")
+    p.add_argument("--turns", type=int, help="marked turns per agent (default 3; quick 2)")
+    p.add_argument("--rounds", type=int, help="rounds the turns are split into (default: a turn each; quick 1)")
+    p.add_argument("--system-tokens", type=int, help="the agents' marked system prompt (default 2000; quick 1000)")
     p.add_argument("--turn-tokens", type=int, default=64, help="each turn's user message")
-    p.add_argument("--reply-tokens", type=int, default=16, help="each agent reply's max_tokens (greedy)")
+    p.add_argument("--reply-tokens", type=int, default=8, help="each agent reply's max_tokens (greedy)")
     p.add_argument("--pressure-clients", type=int, default=2, help="clients sending unmarked prompts back to back")
-    p.add_argument("--pressure-tokens", type=int, default=1024, help="each unmarked prompt's length")
-    p.add_argument("--pool-cycles", type=float, help="pool evictions between marked requests (default 3; quick 2)")
-    p.add_argument("--num-blocks", type=int, help="the daemon's pool (default: three system prompts' blocks)")
+    p.add_argument("--pressure-tokens", type=int, help="each unmarked prompt's length (default 768; quick 384)")
+    p.add_argument("--pool-cycles", type=float, default=1.0, help="pools' blocks evicted between marked requests")
+    p.add_argument("--num-blocks", type=int, help="the daemon's pool (default: 2.5 system prompts' blocks)")
     p.add_argument("--max-pinned-fraction", type=float, default=0.75, help="the daemon's pin cap")
     p.add_argument("--sample-s", type=float, default=0.2, help="how often the daemon's pins are sampled")
     p.add_argument("--seed", type=int, default=5)
     p.add_argument("--model", default="smollm2")
     p.add_argument("--workdir", help="run here and keep the processes' logs (default: a temporary folder)")
     args = p.parse_args(argv)
-    args.turns = args.turns or (2 if args.quick else 6)
-    args.rounds = min(args.rounds or (1 if args.quick else 2), args.turns)
-    args.pool_cycles = args.pool_cycles or (2.0 if args.quick else 3.0)
-    args.num_blocks = args.num_blocks or 3 * -(-args.system_tokens // BLOCK_SIZE)
+    args.turns = args.turns or (2 if args.quick else 3)
+    args.rounds = min(args.rounds or (1 if args.quick else args.turns), args.turns)
+    args.system_tokens = args.system_tokens or (1000 if args.quick else 2000)
+    args.pressure_tokens = args.pressure_tokens or (384 if args.quick else 768)
+    args.num_blocks = args.num_blocks or -(-5 * args.system_tokens // (2 * BLOCK_SIZE))
     return args
 
 
@@ -117,7 +123,7 @@ class Workload:
                         args.turn_tokens,
                         rng,
                     )
-                )  # fmt: skip
+                )
                 for t in range(args.turns)
             ]
             for a in range(args.agents)
@@ -125,8 +131,9 @@ class Workload:
         return cls(system, turns, args.seed, args.pressure_tokens, tokenizer)
 
     def pressure(self, round_: int, client: int, i: int) -> str:
-        """Unmarked prompt ``i`` of pressure client ``client`` in round ``round_``:
-        its own from its first block (its nonce leads), the same in both stacks."""
+        """Unmarked prompt ``i`` of pressure client ``client`` in round ``round_``,
+        the same in both stacks: its own from its nonce on (only the chat
+        template's default system prompt before it is shared)."""
         rng = random.Random(f"{self.seed}-{round_}-{client}-{i}")
         lead = f"Report {round_}.{client}.{i}. "
         return self.tokenizer.decode(exact_tokens(self.tokenizer, lead + english_like(rng, 4), self.pressure_tokens,
@@ -190,26 +197,37 @@ class Stack:
         self.model = ""
         self.histories: list[list[dict]] = []
 
-    def start(self, stack: contextlib.ExitStack, agents: int) -> None:
+    def start(self, agents: int) -> Stack:
+        """Starts its processes (stopped by ``stop``, however far this got) and its client."""
         import anthropic
         import httpx2 as httpx
 
         for handle in (self.daemon, self.engine, self.gateway):
-            stack.enter_context(handle)
+            handle.start()
         base = f"http://{self.gateway.http_address}"
         if not harness.wait_for(lambda: _ready(httpx, base), 60, 0.1):
             raise RuntimeError(f"{self.config}: the gateway's HTTP API is not ready: {self.gateway.log_tail()}")
         self.model = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
         self.client = anthropic.Anthropic(base_url=base, api_key="none", max_retries=0, timeout=600)
-        stack.callback(self.client.close)
         self.histories = [[] for _ in range(agents)]
+        # Warm-up (not measured): the gateway's tokenizer and the engine's paths.
+        self.client.messages.create(model=self.model, max_tokens=2, extra_body=GREEDY,
+                                    messages=[{"role": "user", "content": "Hello."}])  # fmt: skip
+        return self
+
+    def stop(self) -> None:
+        if self.client is not None:
+            self.client.close()
+        for handle in (self.gateway, self.engine, self.daemon):
+            handle.stop()
 
     def stats(self, daemon) -> Sample:
         s = daemon.stats()
         return Sample(time.perf_counter(), s.num_pinned_blocks, s.num_pins, s.evictions)
 
-    def ask(self, system: str, agent: int, turn: int, text: str, reply_tokens: int) -> Marked:
-        """The agent's next turn: the system block and the new user message marked, streamed."""
+    def ask(self, system: str, agent: int, turn: int, text: str, reply_tokens: int, first_token=None) -> Marked:
+        """The agent's next turn: the system block and the new user message marked,
+        streamed; ``first_token`` is called when its first text arrives."""
         history = self.histories[agent]
         messages = [*history, {"role": "user", "content": [{"type": "text", "text": text, "cache_control": MARK}]}]
         start, ttft, usage = time.perf_counter(), None, None
@@ -220,6 +238,8 @@ class Stack:
             for event in stream:
                 if ttft is None and event.type == "content_block_delta":
                     ttft = time.perf_counter() - start
+                    if first_token is not None:
+                        first_token()
                 if event.type == "message_delta":
                     usage = event.usage.to_dict()
             reply = "".join(block.text for block in stream.get_final_message().content if block.type == "text")
@@ -240,11 +260,14 @@ def _ready(httpx, base: str) -> bool:
 
 
 class Pressure:
-    """Clients sending distinct unmarked prompts back to back until stopped."""
+    """Clients sending distinct unmarked prompts back to back until stopped;
+    ``hold`` keeps them from sending more (the ones in flight go on) until ``go``."""
 
     def __init__(self, stack: Stack, workload: Workload, round_: int, clients: int) -> None:
         self.stack, self.workload, self.round = stack, workload, round_
         self._stop = threading.Event()
+        self._go = threading.Event()
+        self._go.set()
         self._threads = [threading.Thread(target=self._client, args=(n,), daemon=True) for n in range(clients)]
 
     def __enter__(self) -> Pressure:
@@ -254,14 +277,21 @@ class Pressure:
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
+        self._go.set()
         for thread in self._threads:
             thread.join(600)
+
+    def hold(self) -> None:
+        self._go.clear()
+
+    def go(self) -> None:
+        self._go.set()
 
     def _client(self, n: int) -> None:
         import anthropic
 
         stack, i = self.stack, 0
-        while not self._stop.is_set():
+        while self._go.wait() and not self._stop.is_set():
             document = self.workload.pressure(self.round, n, i)
             i += 1
             sent = time.perf_counter()
@@ -312,19 +342,27 @@ class Sampler:
 
 def run_round(stack: Stack, workload: Workload, args: argparse.Namespace, round_: int, progress) -> None:
     """One round on one stack: its turns of every agent, one marked request at a
-    time, each after the pressure has evicted ``pool_cycles`` pools' blocks."""
+    time, each after the pressure has evicted ``pool_cycles`` pools' blocks (but
+    the stack's first: its pool holds nothing yet)."""
     first, last = round_ * args.turns // args.rounds, (round_ + 1) * args.turns // args.rounds
     target = args.pool_cycles * args.num_blocks
     start = time.perf_counter()
-    with Sampler(stack, args.sample_s) as sampler, Pressure(stack, workload, round_, args.pressure_clients):
+    with (
+        Sampler(stack, args.sample_s) as sampler,
+        Pressure(stack, workload, round_, args.pressure_clients) as pressure,
+    ):
         for turn in range(first, last):
             for agent in range(args.agents):
                 base = sampler.evictions
-                if not harness.wait_for(lambda b=base: sampler.evictions - b >= target, 300, 0.05):
+                if stack.marked and not harness.wait_for(lambda b=base: sampler.evictions - b >= target, 300, 0.05):
                     raise RuntimeError(f"{stack.config}: the pressure evicted {sampler.evictions - base} blocks "
                                        f"in 300 s, not {target:.0f}: {stack.daemon.log_tail()}")  # fmt: skip
-                stack.marked.append(stack.ask(workload.system, agent, turn, workload.turns[agent][turn],
-                                              args.reply_tokens))  # fmt: skip
+                # NOTE: only its time to first token is measured: new pressure waits while its reply streams.
+                try:
+                    stack.marked.append(stack.ask(workload.system, agent, turn, workload.turns[agent][turn],
+                                                  args.reply_tokens, pressure.hold))  # fmt: skip
+                finally:
+                    pressure.go()
                 progress.advance()
     stack.measured_s += time.perf_counter() - start
 
@@ -339,11 +377,10 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     stacks = {config: Stack(config, workdir, model_dir, args) for config in CONFIGS}
     with contextlib.ExitStack() as exits:
         for stack in stacks.values():
-            stack.start(exits, args.agents)
-        # Warm-up (not measured): each stack's first request loads its gateway's tokenizer and the engine's paths.
-        for stack in stacks.values():
-            stack.client.messages.create(model=stack.model, max_tokens=2, extra_body=GREEDY,
-                                         messages=[{"role": "user", "content": "Hello."}])  # fmt: skip
+            exits.callback(stack.stop)
+        with ThreadPoolExecutor(len(stacks)) as pool:  # both stacks start at once
+            list(pool.map(lambda s: s.start(args.agents), stacks.values()))
+        startup_s = time.perf_counter() - began
         progress = harness.Progress("messages: marked requests", len(CONFIGS) * args.agents * args.turns)
         for r in range(args.rounds):
             for config in harness.turn_order(CONFIGS, r):
@@ -380,6 +417,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "pin_sample_s": args.sample_s,
         "agent_replies_equal": replies[:half] == replies[half:],
         "seed": args.seed,
+        "startup_s": startup_s,
         "wall_s": time.perf_counter() - began,
     }
     return {"workload": workload_out, "results": results}
@@ -423,6 +461,8 @@ def summarize(stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
         "measured_s": stack.measured_s,
         "evictions": evictions,
         "pool_cycles": evictions / args.num_blocks,
+        "pool_cycles_per_marked": evictions / args.num_blocks / len(marked) if marked else None,
+        "pool_cycles_between_turns": evictions / args.num_blocks / args.turns if marked else None,
         "unmarked_requests": len(unmarked),
         "unmarked_errors": len(stack.unmarked) - len(unmarked),
         "pressure_tokens": sum(u.prompt_tokens for u in unmarked),
@@ -438,6 +478,9 @@ def report(args: argparse.Namespace, out: dict[str, Any]) -> dict[str, Any]:
     ratios = {
         "marked_ttft_honoured_over_ignored": harness.ratio(
             honoured["ttft_marked_mean_s"], ignored["ttft_marked_mean_s"]
+        ),
+        "marked_later_ttft_honoured_over_ignored": harness.ratio(
+            honoured["ttft_marked_later_mean_s"], ignored["ttft_marked_later_mean_s"]
         ),
         "marked_ttft_p90_honoured_over_ignored": harness.ratio(
             honoured["ttft_marked_p90_s"], ignored["ttft_marked_p90_s"]
