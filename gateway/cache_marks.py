@@ -83,13 +83,16 @@ def check_breakpoints(request: pb.GenerateRequest) -> None:
     """Raises FieldError naming ``cache_breakpoints[i]…`` for breakpoints that point nowhere."""
     breakpoints = request.cache_breakpoints
     if len(breakpoints) > MAX_MARKS:
-        raise FieldError(FIELD, f"{FIELD}: at most {MAX_MARKS} breakpoints, got {len(breakpoints)}")
+        many = len(breakpoints)
+        raise FieldError(FIELD, f"{FIELD}: at most {MAX_MARKS} cache breakpoints (cache_control marks), got {many}")
     kind = request.WhichOneof("prompt")
     for i, mark in enumerate(breakpoints):
         name = f"{FIELD}[{i}]"
         at = mark.WhichOneof("at")
         if at is None:
             raise FieldError(name, f"{name}: say where it is: message (a chat message's index) or prompt")
+        if at == "prompt" and not mark.prompt:
+            raise FieldError(f"{name}.prompt", f"{name}.prompt: true or left out (false marks nothing)")
         if at == "prompt" and mark.content_chars:
             raise FieldError(f"{name}.content_chars", f"{name}.content_chars: only with message")
         if at == "message":
@@ -172,9 +175,12 @@ def mark_parts(
     chars = 0
     for i, (ttl, length) in enumerate(zip(ttls, lengths, strict=True)):
         chars += length + (len(joiner) if i else 0)
-        if ttl is not None:
-            whole = i == len(lengths) - 1
-            request.cache_breakpoints.add(message=message, content_chars=0 if whole else chars, ttl=ttl)
+        if ttl is None:
+            continue
+        whole = i == len(lengths) - 1
+        if not whole and not chars:  # (content_chars 0 is the whole message)
+            raise FieldError(FIELD, f"{FIELD}: a cache_control on empty text opening a message marks nothing")
+        request.cache_breakpoints.add(message=message, content_chars=0 if whole else chars, ttl=ttl)
 
 
 def chat_prefix(chat: epb.ChatPrompt, message: int, content_chars: int) -> epb.ChatPrompt:

@@ -37,7 +37,7 @@ from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from gateway.cache_diagnosis import as_json
-from gateway.cache_marks import mark_parts
+from gateway.cache_marks import check_breakpoints, mark_parts
 from gateway.http_api.anthropic_diagnostics import MessageRecords, PromptRecord, miss_reason
 from gateway.http_api.anthropic_schemas import BLOCK_JOINER, CountTokensRequest, MessagesRequest, TextBlock
 from gateway.http_api.common import StartedStream, api_state, on_thread, open_generation, start_stream, whole
@@ -117,7 +117,9 @@ async def count_tokens(body: CountTokensRequest, request: Request):
     def count() -> dict:
         served_model(state, key, body.model)
         requests.authorize(key, SCOPE_GENERATE)
-        return {"input_tokens": len(requests.tokenize_chat(generate_request(body).chat))}
+        counted = generate_request(body)
+        check_breakpoints(counted)  # refused as /v1/messages would refuse them
+        return {"input_tokens": len(requests.tokenize_chat(counted.chat))}
 
     return JSONResponse(await on_thread(request, count), headers=ignored_fields_header(body))
 
@@ -181,9 +183,17 @@ class StopSequences:
     def text(self, delta: str) -> str:
         """The part of ``delta`` that can be sent now."""
         text = self._held + delta
-        keep = max((n for s in self.stops for n in range(1, len(s) + 1) if text.endswith(s[:n])), default=0)
+        keep = max((self._held_back(text, stop) for stop in self.stops), default=0)
         self._held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep]
+
+    @staticmethod
+    def _held_back(text: str, stop: str) -> int:
+        """The longest end of ``text`` that ``stop`` begins with (it may go on to match)."""
+        for n in range(min(len(stop), len(text)), 0, -1):
+            if stop.startswith(text[len(text) - n :]):
+                return n
+        return 0
 
     def end(self, finish: epb.FinishReason.ValueType) -> tuple[str, str | None]:
         """The text still held and the stop sequence that ended the output (None: none did)."""

@@ -70,7 +70,7 @@ class MessagesRequest(Body):
     """``POST /v1/messages``'s body."""
 
     model: str
-    max_tokens: Int32 = Field(ge=1)
+    max_tokens: int = Field(ge=1, lt=2**31)
     messages: list[Message] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
@@ -117,4 +117,4 @@ class MessagesRequest(Body):
 class CountTokensRequest(MessagesRequest):
     """``POST /v1/messages/count_tokens``'s body: a message request without ``max_tokens``."""
 
-    max_tokens: Int32 = Field(default=1, ge=1)
+    max_tokens: int = Field(default=1, ge=1, lt=2**31)

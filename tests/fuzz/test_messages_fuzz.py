@@ -16,6 +16,13 @@ event. Each gRPC answer is OK or INVALID_ARGUMENT with a message (that one
 whenever a breakpoint points nowhere). Afterwards no request holds a block,
 and the marks' pins (TTLs of 2 and 3 seconds here) have all expired.
 
+Beside the fuzzing, the bugs it and its reading found, pinned down: more
+than 4 breakpoints refused, max_tokens 0 refused (the schema's ``ge=1`` was
+lost under ``Int32``'s own bounds), a mark on an empty first block keeping
+no more than the message's opening (it kept the whole message), and a long
+stop sequence not stalling the gateway's event loop (its matching was
+quadratic in the stop's length).
+
 Examples: ``KVD_FUZZ_EXAMPLES`` (default 15) times 5 for ``/v1/messages``,
 times 3 for count_tokens, times 4 for the gRPC requests.
 """
@@ -51,6 +58,7 @@ STOP_REASONS = frozenset({"end_turn", "max_tokens", "stop_sequence"})
 MISS_REASONS = frozenset({"previous_message_not_found", "model_changed", "system_changed", "messages_changed"})
 MAX_BREAKPOINTS = 4
 TTL_5M_S, TTL_1H_S = 2, 3
+QUOTA_BLOCKS = 8  # each tenant's marks' pins: some marks go unpinned
 FUZZ = settings(
     max_examples=EXAMPLES,
     deadline=None,
@@ -67,6 +75,8 @@ JUNK = st.recursive(
 )
 #: Long enough that a mark through it pins blocks of 16 tokens.
 LONG = "The quick brown fox jumps over the lazy dog. " * 8
+#: Text no drawn body has (the targeted tests' own prefixes).
+WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa. "
 TEXT = st.one_of(st.text(max_size=30), st.sampled_from(["", " ", "\x00", "é" * 40, "Hi", LONG]))
 
 CACHE_CONTROL = st.sampled_from([{"type": "ephemeral"}, {"type": "ephemeral", "ttl": "5m"},
@@ -197,6 +207,7 @@ def check_usage(what, usage: dict, body: dict) -> int:
     """Anthropic's usage; the prompt's tokens it adds up to."""
     counts = ("input_tokens", "output_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")
     assert all(type(usage[k]) is int and usage[k] >= 0 for k in counts), (what, usage)
+    assert int(body["max_tokens"]) >= 1, (what, "a reply for max_tokens < 1", body)
     assert 0 < usage["output_tokens"] <= int(body["max_tokens"]), (what, usage)
     by_ttl = usage["cache_creation"]
     assert by_ttl["ephemeral_5m_input_tokens"] + by_ttl["ephemeral_1h_input_tokens"] == usage[
@@ -243,6 +254,7 @@ class Tally:
     def __init__(self, client: httpx.Client) -> None:
         self.client = client
         self.statuses: Counter = Counter()
+        self.replies: Counter = Counter()  # what the 200s did: streamed, created, read, unpinned...
         self.last_id = "msg_nope"  # the last reply's: a later body's diagnostics may name it
 
     def check(self, what, response: httpx.Response, body=None) -> None:
@@ -265,7 +277,7 @@ class Tally:
         assert reply["role"] == "assistant" and reply["model"] == body["model"], (what, reply)
         assert [b["type"] for b in reply["content"]] == ["text"] and isinstance(reply["content"][0]["text"], str)
         check_stop(what, reply["stop_reason"], reply["stop_sequence"], body)
-        prompt = check_usage(what, reply["usage"], body)
+        prompt = self._usage(what, reply["usage"], body)
         unpinned = reply["usage"]["kvd"]["unpinned_breakpoints"]
         assert response.headers.get("x-kvd-cache-unpinned-breakpoints") == (str(unpinned) if unpinned else None)
         assert breakpoints(body) <= MAX_BREAKPOINTS, (what, body)
@@ -290,11 +302,20 @@ class Tally:
         assert all(data["delta"]["type"] == "text_delta" and data["delta"]["text"] for _, data in events[2:-3])
         end = events[-2][1]
         check_stop(what, end["delta"]["stop_reason"], end["delta"]["stop_sequence"], body)
-        prompt = check_usage(what, end["usage"], body)
+        self.replies["streamed"] += 1
+        prompt = self._usage(what, end["usage"], body)
         assert breakpoints(body) <= MAX_BREAKPOINTS, (what, body)
         check_diagnostics(what, start.get("diagnostics"), body)
         self._same_prompt(what, body, prompt)
         self.last_id = start["id"]
+
+    def _usage(self, what, usage: dict, body: dict) -> int:
+        prompt = check_usage(what, usage, body)
+        for name, count in (("created", usage["cache_creation_input_tokens"]),
+                            ("read", usage["cache_read_input_tokens"]),
+                            ("unpinned", usage["kvd"]["unpinned_breakpoints"])):  # fmt: skip
+            self.replies[name] += count > 0
+        return prompt
 
     def _same_prompt(self, what, body: dict, prompt_tokens: int) -> None:
         """The usage adds up to the prompt's tokens, as count_tokens counts them."""
@@ -303,13 +324,14 @@ class Tally:
         assert counted.json()["input_tokens"] == prompt_tokens, (what, body, counted.json(), prompt_tokens)
 
     def report(self, name: str) -> None:
-        print(f"\n{name}: {sum(self.statuses.values())} cases, statuses {dict(sorted(self.statuses.items()))}")
+        statuses = dict(sorted(self.statuses.items()))
+        print(f"\n{name}: {sum(self.statuses.values())} cases, statuses {statuses}, replies {dict(self.replies)}")
 
 
 @pytest.fixture(scope="module")
 def stack(model_dir):
-    """(daemon, gateway, an HTTP client on its API, the served model's name): marks' TTLs of seconds,
-    a pin quota per tenant, a text and a chat template."""
+    """(daemon, gateway, an HTTP client on its API, the served model's name, the templates' pins):
+    marks' TTLs of seconds, a pin quota per tenant, a text and a chat template."""
     folder = tempfile.mkdtemp(prefix="kvd-fuzzm-", dir="/tmp")
     with open(f"{folder}/keys.json", "w") as f:
         keys = [{"key": KEY, "tenant": "fuzz", "scopes": ["generate", "templates:write"]},
@@ -320,7 +342,7 @@ def stack(model_dir):
     engine = start_engine(daemon, ["--model", str(model_dir)], folder)
     gateway = start_gateway(engine.address, [
         "--data-dir", f"{folder}/gw", "--api-keys", f"{folder}/keys.json", "--http-listen", http,
-        "--cache-ttl-5m-s", str(TTL_5M_S), "--cache-ttl-1h-s", str(TTL_1H_S), "--max-pinned-blocks", "24",
+        "--cache-ttl-5m-s", str(TTL_5M_S), "--cache-ttl-1h-s", str(TTL_1H_S), "--max-pinned-blocks", str(QUOTA_BLOCKS),
     ], folder)  # fmt: skip
     client = httpx.Client(base_url=f"http://{http}/v1", timeout=120)  # each call sends its own key (or none)
     try:
@@ -369,9 +391,11 @@ def test_messages(stack):
     tally = Tally(client)
 
     @settings(FUZZ, max_examples=EXAMPLES * 5)
-    @given(body=bodies(), headers=HEADERS)
-    def one(body, headers):
+    @given(body=bodies(), headers=HEADERS, stream=st.sampled_from([True, False, None]))
+    def one(body, headers, stream):
         body = _named(body, model, tally.last_id)
+        if stream is not None and isinstance(body, dict) and "stream" not in body:  # more streams
+            body = {**body, "stream": stream}
         tally.check("messages", _post(client, "/messages", body, headers), body)
 
     one()
@@ -385,24 +409,67 @@ def test_messages(stack):
 
 
 def test_at_most_four_breakpoints(stack):
-    """Four marked blocks are served (and pin); a fifth is a 400, whole or streamed."""
+    """Four marked blocks are served (the first pin, the rest as the quota lets them); a fifth is a 400,
+    whole or streamed."""
     daemon, gateway, client, model, template_pins = stack
-    marked = {"type": "text", "text": LONG, "cache_control": {"type": "ephemeral", "ttl": "1h"}}
+
+    def marked(n: int) -> dict:  # a prefix no fuzzed body has: its marks create what they pin
+        return {"type": "text", "text": f"Mark {n}: {WORDS}", "cache_control": {"type": "ephemeral", "ttl": "1h"}}
+
     with DaemonClient.connect(daemon.address) as stats:
         # The fuzzed marks gone: the tenant is under its pin quota again.
         assert wait_for(lambda: stats.stats().num_pins == template_pins, 10 * TTL_1H_S), stats.stats()
         for stream in (False, True):
-            four = {"model": model, "max_tokens": 1, "stream": stream, "system": [marked, marked],
-                    "messages": [{"role": "user", "content": [marked, {**marked, "text": "Hi"}]}]}  # fmt: skip
+            four = {"model": model, "max_tokens": 1, "stream": stream, "system": [marked(1), marked(2)],
+                    "messages": [{"role": "user", "content": [marked(3), marked(4)]}]}  # fmt: skip
             reply = _post(client, "/messages", four, AUTH)
             assert reply.status_code == 200, reply.text
             if not stream:  # the marks pinned: their expiry (last test) is no vacuous check
-                assert reply.json()["usage"]["cache_creation_input_tokens"] > 0, reply.text
+                usage = reply.json()["usage"]
+                assert usage["cache_creation_input_tokens"] > 0 and usage["kvd"]["unpinned_breakpoints"] < 4, usage
                 assert stats.stats().num_pins > template_pins, stats.stats()
             five = {**four, "cache_control": {"type": "ephemeral"}}
             reply = _post(client, "/messages", five, AUTH)
             assert reply.status_code == 400, reply.text
             error_shape("five breakpoints", 400, reply.json())
+
+
+def test_max_tokens_below_one_is_refused(stack):
+    """Anthropic's max_tokens is at least 1: 0 is a 400 (not an empty reply), as -1 is."""
+    daemon, gateway, client, model, template_pins = stack
+    for stream in (False, True):
+        for max_tokens in (0, -1):
+            body = {
+                "model": model,
+                "max_tokens": max_tokens,
+                "stream": stream,
+                "messages": [{"role": "user", "content": "Hi"}],
+            }
+            reply = _post(client, "/messages", body, AUTH)
+            assert reply.status_code == 400, (body, reply.text[:500])
+            error_shape(body, 400, reply.json())
+            assert "max_tokens" in reply.json()["error"]["message"], reply.text
+
+
+def test_a_mark_on_an_empty_first_block_keeps_no_more_than_before_it(stack):
+    """A marked block keeps the prompt through that block: an empty first one, through the message's opening
+    (no further than the message with no content at all), not the whole message."""
+    daemon, gateway, client, model, template_pins = stack
+    blocks = [
+        {"type": "text", "text": "", "cache_control": {"type": "ephemeral"}},
+        {"type": "text", "text": "Empty mark probe. " + WORDS * 2},  # no prompt before had it: nothing reads it
+    ]
+    body = {"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": blocks}]}
+    with DaemonClient.connect(daemon.address) as stats:  # the earlier marks gone: under the pin quota
+        assert wait_for(lambda: stats.stats().num_pins == template_pins, 10 * TTL_1H_S), stats.stats()
+    reply = _post(client, "/messages", body, AUTH)
+    assert reply.status_code in (200, 400), reply.text  # (Anthropic refuses empty text blocks)
+    if reply.status_code == 200:
+        opening = {"model": model, "messages": [{"role": "user", "content": ""}]}
+        before = _post(client, "/messages/count_tokens", opening, AUTH).json()["input_tokens"]
+        usage = reply.json()["usage"]
+        assert usage["kvd"]["unpinned_breakpoints"] == 0, usage  # whatever it marks, the quota let it pin
+        assert usage["cache_creation_input_tokens"] <= before, (usage, before)
 
 
 def test_count_tokens(stack):
@@ -425,34 +492,53 @@ def test_count_tokens(stack):
 # ------------------------------------------------------------------ gRPC
 
 INT32 = st.one_of(st.integers(-2, 8), st.sampled_from([2**31 - 1, -(2**31), 60, 500]))
-BREAKPOINT = st.fixed_dictionaries({
-    "at": st.sampled_from(["message", "message", "prompt", "prompt false", "neither"]),
-    "message": INT32, "content_chars": st.one_of(st.just(0), INT32), "ttl": st.one_of(st.sampled_from([0, 1]),
-                                                                                    st.integers(-5, 1000)),
-})  # fmt: skip
+TTLS = st.one_of(st.sampled_from([0, 1]), st.integers(-5, 1000))  # unknown enum values too
+
+
+@st.composite
+def any_breakpoint(draw) -> gpb.CacheBreakpoint:
+    """A breakpoint anywhere: at a message (in range or not), the prompt, prompt=false, or neither."""
+    mark = gpb.CacheBreakpoint(content_chars=draw(st.one_of(st.just(0), INT32)), ttl=draw(TTLS))
+    at = draw(st.sampled_from(["message", "message", "prompt", "prompt false", "neither"]))
+    if at == "message":
+        mark.message = draw(INT32)
+    elif at.startswith("prompt"):
+        mark.prompt = at == "prompt"  # false still says where (the oneof is set)
+    return mark
+
+
+@st.composite
+def fitting_breakpoint(draw, messages) -> gpb.CacheBreakpoint:
+    """A breakpoint the request's prompt has: the whole prompt, or a message through some of its content."""
+    mark = gpb.CacheBreakpoint(ttl=draw(st.sampled_from([0, 1])))
+    if not messages or draw(st.integers(0, 3)) == 0:
+        mark.prompt = True
+    else:
+        mark.message = draw(st.integers(0, len(messages) - 1))
+        mark.content_chars = draw(st.integers(0, len(messages[mark.message].content)))
+    return mark
 
 
 @st.composite
 def generate_requests(draw) -> gpb.GenerateRequest:
     request = gpb.GenerateRequest(diagnose_cache=draw(st.booleans()))
-    kind = draw(st.sampled_from(["chat", "chat", "chat", "text", "token_ids", "none"]))
+    kind = draw(st.sampled_from(["chat", "chat", "chat", "chat", "text", "token_ids", "none"]))
     if kind == "chat":
-        roles = st.sampled_from(["system", "user", "assistant", "user", "tool", ""])
-        for role, content in draw(st.lists(st.tuples(roles, TEXT), max_size=3)):
+        roles = st.sampled_from(["system", "user", "assistant", "user", "user", "tool", ""])
+        for role, content in draw(st.lists(st.tuples(roles, TEXT), min_size=draw(st.sampled_from([0, 1, 1])),
+                                           max_size=3)):  # fmt: skip
             request.chat.messages.add(role=role, content=content)
         request.chat.continue_final_message = draw(st.booleans()) and bool(request.chat.messages)
     elif kind == "text":
         request.text = draw(TEXT)
     elif kind == "token_ids":
         request.token_ids.ids.extend(draw(st.lists(st.integers(0, 49151), max_size=60)))
-    request.template = draw(st.sampled_from(["", "", "", "chat-bot", "support-bot"]))
+    request.template = draw(st.sampled_from(["", "", "", "", "chat-bot", "support-bot"]))
     request.sampling.max_new_tokens = draw(st.integers(1, 3))
-    for mark in draw(st.lists(BREAKPOINT, max_size=6)):
-        added = request.cache_breakpoints.add(content_chars=mark["content_chars"], ttl=mark["ttl"])
-        if mark["at"] == "message":
-            added.message = mark["message"]
-        elif mark["at"].startswith("prompt"):
-            added.prompt = mark["at"] == "prompt"
+    messages = request.chat.messages if kind == "chat" else []
+    fitting = fitting_breakpoint(messages)
+    marks = draw(st.one_of(st.lists(fitting, max_size=4), st.lists(st.one_of(fitting, any_breakpoint()), max_size=6)))
+    request.cache_breakpoints.extend(marks)
     return request
 
 
@@ -496,6 +582,8 @@ def test_generate_with_breakpoints(stack):
             assert breakpoints_point_somewhere(request), request
             last = replies[-1]
             usage = last.usage
+            codes["OK, created"] += usage.cache_creation_tokens > 0
+            codes["OK, unpinned"] += usage.unpinned_breakpoints > 0
             assert usage.cached_prompt_tokens + usage.cache_creation_tokens <= usage.prompt_tokens, (request, usage)
             assert usage.cache_creation_5m_tokens + usage.cache_creation_1h_tokens == usage.cache_creation_tokens
             assert 0 <= usage.unpinned_breakpoints <= len(request.cache_breakpoints), (request, usage)

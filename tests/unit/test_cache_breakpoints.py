@@ -174,6 +174,8 @@ def test_a_stop_sequence_is_held_back_then_named():
     assert stops.end(epb.FINISH_REASON_STOP) == ("", "END")
     stops = StopSequences(["END"])
     assert stops.text("an E") == "an " and stops.end(epb.FINISH_REASON_LENGTH) == ("E", None)
+    long = StopSequences(["ab" * 50_000])  # a 100k-character stop: what could begin it is held, no more
+    assert long.text("xxa") == "xx" and long.text("bab") == "" and long.text("c") == "ababc"
 
 
 def test_usage_splits_reads_creation_and_the_rest():
