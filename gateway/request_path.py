@@ -186,7 +186,8 @@ class RequestPath:
             member = cache_key_member(tenant, request.cache_key) if request.cache_key else ""
             template_tokens = 0
         marks = self._marks(tenant, request, template, out)
-        out.cache_marks.CopyFrom(marks.marks)
+        if not marks.empty:
+            out.cache_marks.CopyFrom(marks.marks)
         if template is None and not self._by_prefix():
             return EngineRequest(out, 0, RouteKey(template=member), marks)
         return EngineRequest(out, template_tokens, self._route_key(out, member, template_tokens), marks)

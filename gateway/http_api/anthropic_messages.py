@@ -40,14 +40,22 @@ from gateway.cache_diagnosis import as_json
 from gateway.cache_marks import check_breakpoints, mark_parts
 from gateway.http_api.anthropic_diagnostics import MessageRecords, PromptRecord, miss_reason
 from gateway.http_api.anthropic_schemas import BLOCK_JOINER, CountTokensRequest, MessagesRequest, TextBlock
-from gateway.http_api.common import StartedStream, api_state, on_thread, open_generation, start_stream, whole
+from gateway.http_api.common import (
+    StartedStream,
+    api_state,
+    caller_key,
+    on_thread,
+    open_generation,
+    start_stream,
+    whole,
+)
 from gateway.http_api.errors import anthropic_error_body, api_error
 from gateway.http_api.models import served_model
 from gateway.http_api.openai_completions import ignored_fields_header
-from gateway.http_api.openai_translate import MODEL_DEFAULTS
+from gateway.http_api.openai_translate import model_defaults
 from gateway.http_api.threads import HttpCall
 from gateway.request_path import add_message
-from gateway.tenants import SCOPE_GENERATE, bearer_key
+from gateway.tenants import SCOPE_GENERATE
 from kvd_api.engine.v1 import engine_pb2 as epb
 from kvd_api.gateway.v1 import gateway_pb2 as pb
 
@@ -68,11 +76,7 @@ _STOP_REASON = {
 
 def anthropic_key(request: Request) -> str | None:
     """The caller's key: Anthropic's ``x-api-key``, else ``authorization: Bearer``."""
-    key = request.headers.get("x-api-key")
-    if key:
-        return key
-    header = request.headers.get("authorization")
-    return bearer_key([header] if header else [])
+    return request.headers.get("x-api-key") or caller_key(request)
 
 
 @router.post("/v1/messages")
@@ -158,11 +162,7 @@ def _sampling(sampling: epb.SamplingParams, body: MessagesRequest, defaults: epb
     for name in ("temperature", "top_p", "top_k"):
         if (value := getattr(body, name)) is not None:
             setattr(sampling, name, value)
-    for name in MODEL_DEFAULTS:
-        if not sampling.HasField(name) and defaults is not None and defaults.HasField(name):
-            setattr(sampling, name, getattr(defaults, name))
-    if not sampling.HasField("temperature"):
-        sampling.temperature = ANTHROPIC_TEMPERATURE
+    model_defaults(sampling, defaults, ANTHROPIC_TEMPERATURE)
     if body.stop_sequences:
         sampling.stop.extend(body.stop_sequences)
         # Kept in the text so the reply can say which one ended it (``StopSequences`` takes it out).

@@ -167,11 +167,7 @@ def _sampling(sampling: epb.SamplingParams, body: Sampling, defaults: epb.Sampli
             setattr(sampling, name, value)
     if body.top_k is not None:
         sampling.top_k = max(body.top_k, 0)  # vLLM's -1: no top-k
-    for name in MODEL_DEFAULTS:
-        if not sampling.HasField(name) and defaults is not None and defaults.HasField(name):
-            setattr(sampling, name, getattr(defaults, name))
-    if not sampling.HasField("temperature"):
-        sampling.temperature = OPENAI_TEMPERATURE  # an unset temperature samples, as OpenAI's
+    model_defaults(sampling, defaults, OPENAI_TEMPERATURE)  # an unset temperature samples, as OpenAI's
     if body.seed is not None:
         sampling.seed = body.seed % 2**64  # OpenAI's seeds are signed
     sampling.stop.extend(body.stops())
@@ -185,6 +181,16 @@ def _sampling(sampling: epb.SamplingParams, body: Sampling, defaults: epb.Sampli
     sampling.include_stop_str_in_output = bool(body.include_stop_str_in_output)
     if body.constraint is not None:
         sampling.constraint.CopyFrom(body.constraint)
+
+
+def model_defaults(sampling: epb.SamplingParams, defaults: epb.SamplingParams | None, temperature: float) -> None:
+    """The model's defaults (``MODEL_DEFAULTS``) for the fields a body left
+    unset, then ``temperature``, the API's own default, if still unset."""
+    for name in MODEL_DEFAULTS:
+        if not sampling.HasField(name) and defaults is not None and defaults.HasField(name):
+            setattr(sampling, name, getattr(defaults, name))
+    if not sampling.HasField("temperature"):
+        sampling.temperature = temperature
 
 
 def _token_id(key: str) -> int:
