@@ -13,6 +13,7 @@ import torch
 from inference import attention, cpu_linear, model_identity, model_store, model_support
 from inference.config import EngineConfig, EngineSettings
 from inference.engine import Engine
+from inference.kernels import cpu_decode
 from inference.service import EngineService, ModelInfo, build_server
 from kvd.common.client import DaemonClient, DaemonSession
 from kvd.common.layout import CacheLayout
@@ -42,6 +43,8 @@ class EngineApp:
         self.model = model_store.load_model(path, model_store.parse_dtype(self.dtype), self.device)
         if packed := cpu_linear.pack_linears(self.model):  # float32 on the CPU only
             log.info("linear layers on oneDNN, weights packed", extra={"layers": packed})
+            # built now (well under a second), not in the first batch of decodes
+            log.info("CPU decode attention", extra={"reads_blocks_in_place": cpu_decode.load() is not None})
         self.tokenizer = model_store.load_tokenizer(path)
         self.spec = model_store.model_spec(self.model.config, self.model.generation_config)
         self.backend = attention.choose_backend(settings.attention_backend, self.device)

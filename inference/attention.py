@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from inference.attention_metadata import AttentionMetadata, DecodeBatch, LayerAttention, full_mask
+from inference.kernels import cpu_decode
 from inference.kernels.launch import BLOCK_MULTIPLE
 
 
@@ -118,7 +119,7 @@ def _attend_decodes(
         ``[B, heads, head_dim]``.
 
     On the CPU a plain layer (no soft-capping, no window cutting into the
-    context) takes the fused kernel (:func:`_attend_decodes_fused`); the
+    context) takes the fused path (:func:`_attend_decodes_fused`); the
     others take the explicit products of :func:`_attend_decodes_explicit`.
     """
     if q.device.type == "cpu" and layer.softcap is None and window_mask is None:
@@ -133,10 +134,13 @@ _cpu_attention_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for
 def _attend_decodes_fused(
     q: torch.Tensor, layer_k: torch.Tensor, layer_v: torch.Tensor, batch: DecodeBatch, scale: float
 ) -> torch.Tensor:
-    """:func:`_attend_decodes` by torch's fused CPU kernel, in two parts merged
-    by their log-sum-exps: the B queries against the shared prefix (read once,
-    the queries of each KV head its rows) and each query against its own
-    positions (its KV head's queries the rows of one small problem each).
+    """:func:`_attend_decodes` in two parts merged by their log-sum-exps: the
+    B queries against the shared prefix by torch's fused CPU kernel (read
+    once, the queries of each KV head its rows), and each query against its
+    own positions by the C kernel that reads them in place
+    (``inference.kernels.cpu_decode``: float32, when it could be built) or
+    else by torch's kernel over the gathered blocks (its KV head's queries
+    the rows of one small problem each).
 
     NOTE: the kernel reads K/V through strides, so the gathered blocks are
     never regrouped by head; the grouped queries need no repeated K/V. It
@@ -147,11 +151,21 @@ def _attend_decodes_fused(
     kv_heads = layer_k.shape[2]
     group, n = heads // kv_heads, batch.rows.shape[0]
     queries = q.index_select(1, batch.rows)  # [heads, B, d]; head h reads KV head h // group
-    own_k, own_v = batch.gather_own(layer_k, layer_v)  # [B, S, kv_heads, d]
-    by_seq = queries.transpose(0, 1).reshape(n, kv_heads, group, head_dim)
-    out, lse = _cpu_attention_with_lse(
-        by_seq, own_k.transpose(1, 2), own_v.transpose(1, 2), attn_mask=batch.own_mask[:, None, None, :], scale=scale
-    )  # [B, kv_heads, group, d], [B, kv_heads, group]
+    if cpu_decode.fits(q, layer_k):
+        out, lse = cpu_decode.paged_decode(
+            queries.transpose(0, 1), layer_k, layer_v, batch.own_blocks, batch.own_lens, scale
+        )  # [B, heads, d], [B, heads]: the blocks read where they lie
+        out, lse = out.view(n, kv_heads, group, head_dim), lse.view(n, kv_heads, group)
+    else:
+        own_k, own_v = batch.gather_own(layer_k, layer_v)  # [B, S, kv_heads, d]
+        by_seq = queries.transpose(0, 1).reshape(n, kv_heads, group, head_dim)
+        out, lse = _cpu_attention_with_lse(
+            by_seq,
+            own_k.transpose(1, 2),
+            own_v.transpose(1, 2),
+            attn_mask=batch.own_mask[:, None, None, :],
+            scale=scale,
+        )  # [B, kv_heads, group, d], [B, kv_heads, group]
     if batch.prefix_blocks.numel():
         prefix_k = torch.index_select(layer_k, 0, batch.prefix_blocks).flatten(0, 1)  # [P, kv_heads, d]
         prefix_v = torch.index_select(layer_v, 0, batch.prefix_blocks).flatten(0, 1)

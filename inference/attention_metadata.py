@@ -68,12 +68,14 @@ class DecodeBatch:
         own_mask: added to the scores of the own positions: 0 where a
             position is inside the sequence's context, -inf elsewhere
             ``[B, S * block_size]``.
+        own_lens: each sequence's positions after the prefix ``[B]`` (int64).
     """
 
     rows: torch.Tensor
     prefix_blocks: torch.Tensor
     own_blocks: torch.Tensor
     own_mask: torch.Tensor
+    own_lens: torch.Tensor
     _own_buffers: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     def gather_own(self, layer_k: torch.Tensor, layer_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -236,7 +236,8 @@ class ModelRunner:
         own_tables = [tables[i][prefix:] for i in decodes]
         padded = [t + [t[0]] * (width - len(t)) for t in own_tables]  # any block: masked out
         positions = torch.arange(width * bs, device=dev)
-        outside = positions[None, :] >= torch.tensor(own, device=dev)[:, None]
+        own_lens = torch.tensor(own, dtype=torch.long, device=dev)
+        outside = positions[None, :] >= own_lens[:, None]
         batch = DecodeBatch(
             rows=torch.tensor([query_start[i] for i in decodes], dtype=torch.long, device=dev),
             prefix_blocks=torch.tensor(first[:prefix], dtype=torch.long, device=dev),
@@ -244,6 +245,7 @@ class ModelRunner:
             own_mask=torch.zeros(outside.shape, dtype=self.kv_cache.dtype, device=dev).masked_fill_(
                 outside, float("-inf")
             ),
+            own_lens=own_lens,
         )
         batched = set(decodes)
         return batch, [i for i in range(len(context_lens)) if i not in batched]

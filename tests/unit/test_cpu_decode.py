@@ -1,0 +1,113 @@
+"""The CPU decode kernel (inference/kernels/cpu_decode.c): built by the
+machine's C compiler, it reads each sequence's blocks where they lie and
+gives what softmax attention over the gathered positions gives, with each
+head's log-sum-exp; without a compiler the engine keeps the torch path."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+
+from inference.attention import _attend_decodes
+from inference.attention_metadata import DecodeBatch, LayerAttention
+from inference.kernels import cpu_decode
+
+
+@pytest.fixture
+def fresh_build(monkeypatch, tmp_path):
+    """Each test loads the kernel anew, built into its own cache folder."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cpu_decode.load.cache_clear()
+    yield
+    cpu_decode.load.cache_clear()
+
+
+def reference(q, layer_k, layer_v, blocks, lens, scale):
+    """float64 softmax attention over each sequence's gathered positions: outputs and log-sum-exps."""
+    outs, lses = [], []
+    group = q.shape[1] // layer_k.shape[2]
+    for i, length in enumerate(lens.tolist()):
+        k = layer_k[blocks[i]].flatten(0, 1)[:length].double().repeat_interleave(group, dim=1)  # [S, heads, d]
+        v = layer_v[blocks[i]].flatten(0, 1)[:length].double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,shd->hs", q[i].double(), k) * scale
+        outs.append(torch.einsum("hs,shd->hd", scores.softmax(-1), v))
+        lses.append(scores.logsumexp(-1))
+    return torch.stack(outs), torch.stack(lses)
+
+
+SHAPES = {
+    # heads, kv heads, head dim, block size, each sequence's positions
+    "SmolLM2-like, a partial last block": (9, 3, 64, 16, [3, 17, 40, 1]),
+    "no grouping, whole blocks": (4, 4, 128, 32, [96, 32, 64, 33]),
+    "one position each": (8, 2, 64, 16, [1, 1, 1]),
+    "wide groups, tiles within a block": (32, 8, 96, 64, [300, 1]),
+}
+
+
+@pytest.mark.parametrize("name", SHAPES)
+def test_the_kernel_equals_softmax_attention_over_the_gathered_positions(fresh_build, name):
+    heads, kv_heads, dim, block, lengths = SHAPES[name]
+    assert shutil.which("cc"), "the machine's C compiler builds the kernel"
+    assert cpu_decode.load() is not None
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.randn(64, 3, 2, block, kv_heads, dim, generator=gen)  # [blocks, layers, K/V, ...]: strided views
+    layer_k, layer_v = cache[:, 1, 0], cache[:, 1, 1]
+    lens = torch.tensor(lengths)
+    width = -(-max(lengths) // block)
+    blocks = torch.randperm(64, generator=gen)[: len(lengths) * width].view(len(lengths), width)
+    q = torch.randn(len(lengths), heads, dim, generator=gen)
+
+    out, lse = cpu_decode.paged_decode(q, layer_k, layer_v, blocks, lens, dim**-0.5)
+
+    want_out, want_lse = reference(q, layer_k, layer_v, blocks, lens, dim**-0.5)
+    torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_batched_decodes_take_the_kernel_and_agree_with_the_gathering_path(fresh_build, monkeypatch):
+    gen = torch.Generator().manual_seed(1)
+    cache = torch.randn(32, 2, 2, 16, 3, 64, generator=gen)
+    layer_k, layer_v = cache[:, 0, 0], cache[:, 0, 1]
+    lens = torch.tensor([20, 5, 31])
+    positions = torch.arange(32)
+    batch = DecodeBatch(
+        rows=torch.tensor([0, 1, 2]),
+        prefix_blocks=torch.tensor([7, 8]),
+        own_blocks=torch.tensor([[1, 2], [3, 3], [4, 5]]),
+        own_mask=torch.zeros(3, 32).masked_fill_(positions[None, :] >= lens[:, None], float("-inf")),
+        own_lens=lens,
+    )
+    q = torch.randn(9, 3, 64, generator=gen)
+    layer = LayerAttention(scale=0.125)
+    calls = []
+    monkeypatch.setattr(cpu_decode, "paged_decode", lambda *a: calls.append(1) or KERNEL(*a))
+
+    with_kernel = _attend_decodes(q, layer_k, layer_v, batch, layer, None)
+    assert calls, "the CPU float32 decodes read their own blocks through the kernel"
+    monkeypatch.setenv("KVD_CPU_KERNELS", "0")
+    cpu_decode.load.cache_clear()
+    gathered = _attend_decodes(q, layer_k, layer_v, batch, layer, None)
+    assert len(calls) == 1
+    torch.testing.assert_close(with_kernel, gathered, rtol=1e-5, atol=1e-5)
+
+
+KERNEL = cpu_decode.paged_decode
+
+
+def test_float64_and_unfit_head_dims_keep_the_torch_path(fresh_build):
+    cache = torch.zeros(4, 1, 2, 16, 2, 64)
+    assert cpu_decode.fits(torch.zeros(4, 1, 64), cache[:, 0, 0])
+    assert not cpu_decode.fits(torch.zeros(4, 1, 64, dtype=torch.float64), cache[:, 0, 0].double())
+    odd = torch.zeros(4, 1, 2, 16, 2, 12)
+    assert not cpu_decode.fits(torch.zeros(4, 1, 12), odd[:, 0, 0])
+
+
+def test_a_failed_build_leaves_the_torch_path_and_says_why(fresh_build, monkeypatch, caplog):
+    monkeypatch.setenv("CC", "false")  # a "compiler" that fails every build
+    with caplog.at_level(logging.WARNING, logger="inference.kernels.cpu_decode"):
+        assert cpu_decode.load() is None
+    assert "did not build" in caplog.text
+    assert not cpu_decode.fits(torch.zeros(2, 1, 64), torch.zeros(4, 16, 1, 64))
