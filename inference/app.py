@@ -44,7 +44,8 @@ class EngineApp:
         if packed := cpu_linear.pack_linears(self.model):  # float32 on the CPU only
             log.info("linear layers on oneDNN, weights packed", extra={"layers": packed})
             # built now (well under a second), not in the first batch of decodes
-            log.info("CPU decode attention", extra={"reads_blocks_in_place": cpu_decode.load() is not None})
+            in_place = cpu_decode.use(settings.cpu_decode_kernel)
+            log.info("CPU decode attention", extra={"reads_blocks_in_place": in_place})
         self.tokenizer = model_store.load_tokenizer(path)
         self.spec = model_store.model_spec(self.model.config, self.model.generation_config)
         self.backend = attention.choose_backend(settings.attention_backend, self.device)

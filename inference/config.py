@@ -112,6 +112,15 @@ class EngineSettings:
         convert=operator.not_,
         help="never reuse cached prefixes",
     )
+    cpu_decode_kernel: bool = setting(
+        "--no-cpu-decode-kernel",
+        env="KVD_NO_CPU_DECODE_KERNEL",
+        is_flag=True,
+        default=False,
+        convert=operator.not_,
+        help="on the CPU, gather each decode's blocks for torch's attention instead of reading them in place"
+        " through the C kernel the engine compiles at load (docs/engine.md)",
+    )
     metrics_port: int = setting(
         "--metrics-port",
         env="KVD_ENGINE_METRICS_PORT",

@@ -11,8 +11,8 @@ The C source is compiled once per machine with the C compiler on ``PATH``
 the file's name carries a digest of the source, the flags, the compiler's
 version and the CPU's feature flags), then loaded with ctypes, which releases
 the GIL for the call. Without a compiler, or when the build fails, ``load``
-returns None once and the engine keeps the torch path; ``KVD_CPU_KERNELS=0``
-asks for that path.
+returns None once and the engine keeps the torch path; the engine's
+``--no-cpu-decode-kernel`` asks for that path (``use(False)``).
 """
 
 from __future__ import annotations
@@ -71,11 +71,20 @@ def _build(compiler: str) -> Path:
     return target
 
 
+#: whether decodes may take the kernel (the engine's setting; ``use``)
+_wanted = True
+
+
+def use(wanted: bool) -> bool:
+    """Turns the kernel on or off for this process (building it if wanted); returns whether it runs."""
+    global _wanted
+    _wanted = wanted
+    return wanted and load() is not None
+
+
 @functools.cache
 def load() -> ctypes.CDLL | None:
-    """The built kernel library, or None (the torch path): no compiler, a failed build, ``KVD_CPU_KERNELS=0``."""
-    if os.environ.get("KVD_CPU_KERNELS", "1") == "0":
-        return None
+    """The built kernel library, or None (the torch path): no compiler, or a failed build."""
     compiler = _compiler()
     if compiler is None:
         log.info("no C compiler: CPU decode attention gathers blocks (the torch path)")
@@ -101,6 +110,7 @@ def fits(q: torch.Tensor, layer_k: torch.Tensor) -> bool:
         and layer_k.dtype == torch.float32
         and heads % kv_heads == 0
         and head_dim % 8 == 0
+        and _wanted
         and load() is not None
     )
 

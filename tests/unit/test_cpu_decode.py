@@ -23,6 +23,7 @@ def fresh_build(monkeypatch, tmp_path):
     cpu_decode.load.cache_clear()
     yield
     cpu_decode.load.cache_clear()
+    cpu_decode.use(True)
 
 
 def reference(q, layer_k, layer_v, blocks, lens, scale):
@@ -87,8 +88,7 @@ def test_batched_decodes_take_the_kernel_and_agree_with_the_gathering_path(fresh
 
     with_kernel = _attend_decodes(q, layer_k, layer_v, batch, layer, None)
     assert calls, "the CPU float32 decodes read their own blocks through the kernel"
-    monkeypatch.setenv("KVD_CPU_KERNELS", "0")
-    cpu_decode.load.cache_clear()
+    assert not cpu_decode.use(False)  # the engine's --no-cpu-decode-kernel
     gathered = _attend_decodes(q, layer_k, layer_v, batch, layer, None)
     assert len(calls) == 1
     torch.testing.assert_close(with_kernel, gathered, rtol=1e-5, atol=1e-5)
