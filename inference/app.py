@@ -13,7 +13,7 @@ import torch
 from inference import attention, cpu_linear, model_identity, model_store, model_support
 from inference.config import EngineConfig, EngineSettings
 from inference.engine import Engine
-from inference.kernels import cpu_decode
+from inference.kernels import cpu
 from inference.service import EngineService, ModelInfo, build_server
 from kvd.common.client import DaemonClient, DaemonSession
 from kvd.common.layout import CacheLayout
@@ -41,11 +41,10 @@ class EngineApp:
         path = model_store.resolve_model(settings.model, cache_dir)
         model_support.check_supported(model_store.load_config(path))  # before loading any weights
         self.model = model_store.load_model(path, model_store.parse_dtype(self.dtype), self.device)
-        if packed := cpu_linear.pack_linears(self.model):  # float32 on the CPU only
-            log.info("linear layers on oneDNN, weights packed", extra={"layers": packed})
-            # built now (well under a second), not in the first batch of decodes
-            in_place = cpu_decode.use(settings.cpu_decode_kernel)
-            log.info("CPU decode attention", extra={"reads_blocks_in_place": in_place})
+        # float32 on the CPU only; the C kernels are built now (under a second), not in the first step
+        kernels = self.device == "cpu" and cpu.use(settings.cpu_kernels)
+        if packed := cpu_linear.pack_linears(self.model, panels=kernels):
+            log.info("linear layers on oneDNN, weights packed", extra={"layers": packed, "c_kernels": kernels})
         self.tokenizer = model_store.load_tokenizer(path)
         self.spec = model_store.model_spec(self.model.config, self.model.generation_config)
         self.backend = attention.choose_backend(settings.attention_backend, self.device)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from inference.attention_metadata import AttentionMetadata, DecodeBatch, LayerAttention, full_mask
-from inference.kernels import cpu_decode
+from inference.kernels import cpu
 from inference.kernels.launch import BLOCK_MULTIPLE
 
 
@@ -138,7 +138,7 @@ def _attend_decodes_fused(
     B queries against the shared prefix by torch's fused CPU kernel (read
     once, the queries of each KV head its rows), and each query against its
     own positions by the C kernel that reads them in place
-    (``inference.kernels.cpu_decode``: float32, when it could be built) or
+    (``inference.kernels.cpu``: float32, when it could be built) or
     else by torch's kernel over the gathered blocks (its KV head's queries
     the rows of one small problem each).
 
@@ -151,8 +151,8 @@ def _attend_decodes_fused(
     kv_heads = layer_k.shape[2]
     group, n = heads // kv_heads, batch.rows.shape[0]
     queries = q.index_select(1, batch.rows)  # [heads, B, d]; head h reads KV head h // group
-    if cpu_decode.fits(q, layer_k):
-        out, lse = cpu_decode.paged_decode(
+    if cpu.fits(q, layer_k):
+        out, lse = cpu.paged_decode(
             queries.transpose(0, 1), layer_k, layer_v, batch.own_blocks, batch.own_lens, scale
         )  # [B, heads, d], [B, heads]: the blocks read where they lie
         out, lse = out.view(n, kv_heads, group, head_dim), lse.view(n, kv_heads, group)

@@ -112,14 +112,14 @@ class EngineSettings:
         convert=operator.not_,
         help="never reuse cached prefixes",
     )
-    cpu_decode_kernel: bool = setting(
-        "--no-cpu-decode-kernel",
-        env="KVD_NO_CPU_DECODE_KERNEL",
+    cpu_kernels: bool = setting(
+        "--no-cpu-kernels",
+        env="KVD_NO_CPU_KERNELS",
         is_flag=True,
         default=False,
         convert=operator.not_,
-        help="on the CPU, gather each decode's blocks for torch's attention instead of reading them in place"
-        " through the C kernel the engine compiles at load (docs/engine.md)",
+        help="on the CPU, leave out the C kernels the engine compiles at load (decode attention reading blocks"
+        " in place; small-batch linear layers, which keep a second copy of the weights): docs/engine.md",
     )
     metrics_port: int = setting(
         "--metrics-port",

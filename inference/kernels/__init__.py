@@ -6,6 +6,7 @@
   without CUDA they run in Triton's interpreter (``TRITON_INTERPRET=1``
   before Triton is imported, on CPU tensors): slow, but the same code the GPU
   compiles, which is how CI tests them.
-- C, for the engine on the CPU: decode attention reading the blocks in place
-  (``cpu_decode``), compiled on the machine that runs it.
+- C, for the engine on the CPU (``cpu``): decode attention reading the blocks
+  in place, and linear layers of small batches; compiled on the machine that
+  runs them.
 """

@@ -1,7 +1,8 @@
-"""The CPU decode kernel (inference/kernels/cpu_decode.c): built by the
-machine's C compiler, it reads each sequence's blocks where they lie and
-gives what softmax attention over the gathered positions gives, with each
-head's log-sum-exp; without a compiler the engine keeps the torch path."""
+"""The engine's C kernels on the CPU (inference/kernels/cpu.c), built by the
+machine's C compiler: the decode kernel reads each sequence's blocks where
+they lie and gives what softmax attention over the gathered positions gives,
+with each head's log-sum-exp; the small-batch linear gives what torch's
+linear gives. Without a compiler the engine keeps torch's paths."""
 
 from __future__ import annotations
 
@@ -13,17 +14,18 @@ import torch
 
 from inference.attention import _attend_decodes
 from inference.attention_metadata import DecodeBatch, LayerAttention
-from inference.kernels import cpu_decode
+from inference.cpu_linear import PackedLinear
+from inference.kernels import cpu
 
 
 @pytest.fixture
 def fresh_build(monkeypatch, tmp_path):
     """Each test loads the kernel anew, built into its own cache folder."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    cpu_decode.load.cache_clear()
+    cpu.load.cache_clear()
     yield
-    cpu_decode.load.cache_clear()
-    cpu_decode.use(True)
+    cpu.load.cache_clear()
+    cpu.use(True)
 
 
 def reference(q, layer_k, layer_v, blocks, lens, scale):
@@ -52,7 +54,7 @@ SHAPES = {
 def test_the_kernel_equals_softmax_attention_over_the_gathered_positions(fresh_build, name):
     heads, kv_heads, dim, block, lengths = SHAPES[name]
     assert shutil.which("cc"), "the machine's C compiler builds the kernel"
-    assert cpu_decode.load() is not None
+    assert cpu.load() is not None
     gen = torch.Generator().manual_seed(0)
     cache = torch.randn(64, 3, 2, block, kv_heads, dim, generator=gen)  # [blocks, layers, K/V, ...]: strided views
     layer_k, layer_v = cache[:, 1, 0], cache[:, 1, 1]
@@ -61,7 +63,7 @@ def test_the_kernel_equals_softmax_attention_over_the_gathered_positions(fresh_b
     blocks = torch.randperm(64, generator=gen)[: len(lengths) * width].view(len(lengths), width)
     q = torch.randn(len(lengths), heads, dim, generator=gen)
 
-    out, lse = cpu_decode.paged_decode(q, layer_k, layer_v, blocks, lens, dim**-0.5)
+    out, lse = cpu.paged_decode(q, layer_k, layer_v, blocks, lens, dim**-0.5)
 
     want_out, want_lse = reference(q, layer_k, layer_v, blocks, lens, dim**-0.5)
     torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-5)
@@ -84,30 +86,59 @@ def test_batched_decodes_take_the_kernel_and_agree_with_the_gathering_path(fresh
     q = torch.randn(9, 3, 64, generator=gen)
     layer = LayerAttention(scale=0.125)
     calls = []
-    monkeypatch.setattr(cpu_decode, "paged_decode", lambda *a: calls.append(1) or KERNEL(*a))
+    monkeypatch.setattr(cpu, "paged_decode", lambda *a: calls.append(1) or KERNEL(*a))
 
     with_kernel = _attend_decodes(q, layer_k, layer_v, batch, layer, None)
     assert calls, "the CPU float32 decodes read their own blocks through the kernel"
-    assert not cpu_decode.use(False)  # the engine's --no-cpu-decode-kernel
+    assert not cpu.use(False)  # the engine's --no-cpu-kernels
     gathered = _attend_decodes(q, layer_k, layer_v, batch, layer, None)
     assert len(calls) == 1
     torch.testing.assert_close(with_kernel, gathered, rtol=1e-5, atol=1e-5)
 
 
-KERNEL = cpu_decode.paged_decode
+KERNEL = cpu.paged_decode
 
 
 def test_float64_and_unfit_head_dims_keep_the_torch_path(fresh_build):
     cache = torch.zeros(4, 1, 2, 16, 2, 64)
-    assert cpu_decode.fits(torch.zeros(4, 1, 64), cache[:, 0, 0])
-    assert not cpu_decode.fits(torch.zeros(4, 1, 64, dtype=torch.float64), cache[:, 0, 0].double())
+    assert cpu.fits(torch.zeros(4, 1, 64), cache[:, 0, 0])
+    assert not cpu.fits(torch.zeros(4, 1, 64, dtype=torch.float64), cache[:, 0, 0].double())
     odd = torch.zeros(4, 1, 2, 16, 2, 12)
-    assert not cpu_decode.fits(torch.zeros(4, 1, 12), odd[:, 0, 0])
+    assert not cpu.fits(torch.zeros(4, 1, 12), odd[:, 0, 0])
 
 
 def test_a_failed_build_leaves_the_torch_path_and_says_why(fresh_build, monkeypatch, caplog):
     monkeypatch.setenv("CC", "false")  # a "compiler" that fails every build
-    with caplog.at_level(logging.WARNING, logger="inference.kernels.cpu_decode"):
-        assert cpu_decode.load() is None
+    with caplog.at_level(logging.WARNING, logger="inference.kernels.cpu"):
+        assert cpu.load() is None
     assert "did not build" in caplog.text
-    assert not cpu_decode.fits(torch.zeros(2, 1, 64), torch.zeros(4, 16, 1, 64))
+    assert not cpu.fits(torch.zeros(2, 1, 64), torch.zeros(4, 16, 1, 64))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 16, 21, 32])
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_small_batch_linear_equals_torchs(fresh_build, rows, bias):
+    gen = torch.Generator().manual_seed(rows)
+    linear = torch.nn.Linear(72, 40, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(40, 72, generator=gen))
+        if bias:
+            linear.bias.copy_(torch.randn(40, generator=gen))
+    x = torch.randn(1, rows, 72, generator=gen)  # the model's [batch, tokens, features]
+    got = cpu.small_linear(x, cpu.pack_panels(linear.weight), linear.bias)
+    want = torch.nn.functional.linear(x.double(), linear.weight.double(), None if not bias else linear.bias.double())
+    assert got.shape == (1, rows, 40)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+
+
+def test_a_packed_linear_takes_the_kernel_for_few_rows_and_onednn_for_many(fresh_build, monkeypatch):
+    linear = torch.nn.Linear(64, 48)
+    packed = PackedLinear(linear, panels=True)
+    calls = []
+    real = cpu.small_linear
+    monkeypatch.setattr(cpu, "small_linear", lambda *a: calls.append(a[0].shape) or real(*a))
+    for rows in (4, cpu.SMALL_ROWS, cpu.SMALL_ROWS + 1, 300):
+        x = torch.randn(1, rows, 64)
+        torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-4)
+    assert calls == [(1, 4, 64), (1, cpu.SMALL_ROWS, 64)]
+    assert PackedLinear(torch.nn.Linear(64, 12), panels=True).panels is None  # outputs not a multiple of 8

@@ -1,18 +1,21 @@
-"""Paged decode attention on the CPU (``cpu_decode.c``), built on first use.
+"""The engine's C kernels on the CPU (``cpu.c``), built once per machine. Both are float32.
 
-The torch path gathers every sequence's blocks into a contiguous buffer per
-layer and runs torch's fused attention over it: the K/V bytes are read,
-written and read again. This kernel reads them once, where they lie
-(docs/benchmarks.md has the figures). It is float32 only; other dtypes, soft-
-capped and windowed layers take the torch path.
+- ``paged_decode``: a decode's attention over its own blocks. The torch path
+  gathers every sequence's blocks into a contiguous buffer per layer and runs
+  torch's fused attention over it: the K/V bytes are read, written and read
+  again. This kernel reads them once, where they lie.
+- ``small_linear``: a linear layer over a few rows (a decode step's tokens),
+  its weight packed into panels (``pack_panels``) read once per call;
+  ``inference.cpu_linear`` sends batches of up to ``SMALL_ROWS`` rows here
+  and larger ones to oneDNN.
 
-The C source is compiled once per machine with the C compiler on ``PATH``
+docs/benchmarks.md has the figures. The C source is compiled once per machine with the C compiler on ``PATH``
 (``$CC``, else ``cc``) into ``$XDG_CACHE_HOME/kvd/kernels`` (``-march=native``:
 the file's name carries a digest of the source, the flags, the compiler's
 version and the CPU's feature flags), then loaded with ctypes, which releases
 the GIL for the call. Without a compiler, or when the build fails, ``load``
-returns None once and the engine keeps the torch path; the engine's
-``--no-cpu-decode-kernel`` asks for that path (``use(False)``).
+returns None once and the engine keeps torch's paths; the engine's
+``--no-cpu-kernels`` asks for those (``use(False)``).
 """
 
 from __future__ import annotations
@@ -29,9 +32,11 @@ from pathlib import Path
 
 import torch
 
-log = logging.getLogger("inference.kernels.cpu_decode")
+log = logging.getLogger("inference.kernels.cpu")
 
-SOURCE = Path(__file__).with_name("cpu_decode.c")
+SOURCE = Path(__file__).with_name("cpu.c")
+#: the most rows ``small_linear`` takes: past ~32 oneDNN's blocked products win (cpu.c)
+SMALL_ROWS = 32
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _I64, _F32P = ctypes.c_int64, ctypes.POINTER(ctypes.c_float)
 _I64P = ctypes.POINTER(ctypes.c_int64)
@@ -59,7 +64,7 @@ def _build(compiler: str) -> Path:
     digest = hashlib.sha256()
     for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()):
         digest.update(part)
-    target = cache_dir() / f"cpu_decode-{digest.hexdigest()[:16]}.so"
+    target = cache_dir() / f"cpu-{digest.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -71,12 +76,12 @@ def _build(compiler: str) -> Path:
     return target
 
 
-#: whether decodes may take the kernel (the engine's setting; ``use``)
+#: whether the kernels may run (the engine's setting; ``use``)
 _wanted = True
 
 
 def use(wanted: bool) -> bool:
-    """Turns the kernel on or off for this process (building it if wanted); returns whether it runs."""
+    """Turns the kernels on or off for this process (building them if wanted); returns whether they run."""
     global _wanted
     _wanted = wanted
     return wanted and load() is not None
@@ -84,25 +89,33 @@ def use(wanted: bool) -> bool:
 
 @functools.cache
 def load() -> ctypes.CDLL | None:
-    """The built kernel library, or None (the torch path): no compiler, or a failed build."""
+    """The built kernels, or None (torch's paths): no compiler, or a failed build."""
     compiler = _compiler()
     if compiler is None:
-        log.info("no C compiler: CPU decode attention gathers blocks (the torch path)")
+        log.info("no C compiler: the CPU engine runs torch's paths only")
         return None
     try:
         library = ctypes.CDLL(str(_build(compiler)))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = e.stderr if isinstance(e, subprocess.CalledProcessError) else e
-        log.warning("the CPU decode kernel did not build; keeping the torch path", extra={"error": str(detail)[-2000:]})
+        log.warning("the CPU kernels did not build; keeping torch's paths", extra={"error": str(detail)[-2000:]})
         return None
     fn = library.kvd_paged_decode_f32
     fn.restype = ctypes.c_int
     fn.argtypes = [*[_F32P] * 6, _I64, _I64, _I64P, _I64, _I64P, *[_I64] * 5, ctypes.c_float]
+    small = library.kvd_small_linear_f32
+    small.restype = None
+    small.argtypes = [ctypes.c_void_p] * 4 + [_I64] * 3
     return library
 
 
+def available() -> bool:
+    """Whether the kernels run in this process (built, and not turned off)."""
+    return _wanted and load() is not None
+
+
 def fits(q: torch.Tensor, layer_k: torch.Tensor) -> bool:
-    """Whether this layer's decodes can take the kernel (it is built, and the shapes and dtype are its)."""
+    """Whether this layer's decodes can take ``paged_decode`` (it runs, and the shapes and dtype are its)."""
     heads, kv_heads, head_dim = q.shape[0], layer_k.shape[2], q.shape[2]
     return (
         q.device.type == "cpu"
@@ -110,8 +123,7 @@ def fits(q: torch.Tensor, layer_k: torch.Tensor) -> bool:
         and layer_k.dtype == torch.float32
         and heads % kv_heads == 0
         and head_dim % 8 == 0
-        and _wanted
-        and load() is not None
+        and available()
     )
 
 
@@ -157,5 +169,29 @@ def paged_decode(
         batch, heads, layer_k.shape[2], head_dim, layer_k.shape[1], scale,
     )  # fmt: skip
     if code:
-        raise ValueError(f"shapes the CPU decode kernel cannot take: heads {heads}, kv heads {layer_k.shape[2]}")
+        raise ValueError(f"shapes the decode kernel cannot take: heads {heads}, kv heads {layer_k.shape[2]}")
     return out, running[0]
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A linear layer's float32 weight ``[N, K]`` (N a multiple of 8) as ``small_linear``'s panels ``[N / 8, K, 8]``."""
+    out_features, in_features = weight.shape
+    if out_features % 8 or weight.dtype != torch.float32:
+        raise ValueError(f"panels take float32 weights with a multiple of 8 outputs, not {tuple(weight.shape)}")
+    return weight.detach().view(out_features // 8, 8, in_features).transpose(1, 2).contiguous()
+
+
+def small_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x W^T + bias`` for ``x`` of up to ``SMALL_ROWS`` rows (any leading dimensions), W in ``pack_panels``."""
+    library = load()
+    assert library is not None, "check available() first"
+    count, in_features, _ = panels.shape
+    rows = x.reshape(-1, in_features).contiguous()
+    if rows.dtype != torch.float32:
+        raise ValueError(f"small_linear takes float32, not {rows.dtype}")
+    out = rows.new_empty(rows.shape[0], count * 8)
+    library.kvd_small_linear_f32(
+        rows.data_ptr(), panels.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+        rows.shape[0], count * 8, in_features,
+    )  # fmt: skip
+    return out.view(*x.shape[:-1], count * 8)
