@@ -34,7 +34,8 @@ def available() -> bool:
 
 
 class PackedLinear(nn.Module):
-    """An ``nn.Linear`` (float32, CPU) whose weight oneDNN packed once."""
+    """An ``nn.Linear`` (float32, CPU) whose weight oneDNN packed once and,
+    with ``panels``, the small-batch kernel too (for calls of a few rows)."""
 
     def __init__(self, linear: nn.Linear, panels: bool = False) -> None:
         super().__init__()
