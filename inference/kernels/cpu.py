@@ -13,9 +13,10 @@ docs/benchmarks.md has the figures. The C source is compiled once per
 machine with the C compiler on ``PATH`` (``$CC``, else ``cc``) into
 ``$XDG_CACHE_HOME/kvd/kernels`` (``-march=native``: the file's name carries a
 digest of the source, the flags, the compiler's version and the CPU's
-feature flags), then loaded with ctypes, which releases the GIL for the call. Without a compiler, or when the build fails, ``load``
-returns None once and the engine keeps torch's paths; the engine's
-``--no-cpu-kernels`` asks for those (``use(False)``).
+feature flags), then loaded with ctypes, which releases the GIL for the call.
+Without a compiler, or when the build fails, ``load`` returns None once and
+the engine keeps torch's paths; the engine's ``--no-cpu-kernels`` asks for
+those (``use(False)``).
 """
 
 from __future__ import annotations
