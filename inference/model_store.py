@@ -58,14 +58,19 @@ class ModelSpec:
 # ------------------------------------------------------------------ settings
 
 
+def cache_home() -> Path:
+    """kvd's folder of this user's caches: ``$XDG_CACHE_HOME/kvd``, or ``~/.cache/kvd`` when that is unset."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvd"
+
+
 def default_cache_dir() -> Path:
     """The folder converted models are kept in.
 
     Returns:
         ``$XDG_CACHE_HOME/kvd/models``, or ``~/.cache/kvd/models`` when that is unset.
     """
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "kvd" / "models"
+    return cache_home() / "models"
 
 
 def parse_dtype(name: str) -> torch.dtype:

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from inference import model_store
+
 log = logging.getLogger("inference.kernels.cpu")
 
 SOURCE = Path(__file__).with_name("cpu.c")
@@ -44,8 +46,7 @@ _I64P = ctypes.POINTER(ctypes.c_int64)
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "kvd" / "kernels"
+    return model_store.cache_home() / "kernels"
 
 
 def _cpu_flags() -> str:
