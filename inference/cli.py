@@ -13,7 +13,7 @@ import signal
 import sys
 import threading
 
-from inference import openmp
+from inference import heap, openmp
 from inference.config import EngineSettings
 from kvd.common import logs
 from kvd.common.config_fields import config_from, settings_of
@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(COMMAND, argv)
     logs.configure(args.log_level)
     openmp.set_defaults()  # NOTE: before torch loads OpenMP
+    heap.keep_freed_memory()
     from inference.app import EngineApp
 
     try:
