@@ -42,7 +42,7 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach()))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().contiguous())
-        use_panels = panels and self.out_features % 8 == 0
+        use_panels = panels and self.out_features % cpu.panel_width() == 0
         self.register_buffer("panels", cpu.pack_panels(linear.weight) if use_panels else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -27,25 +27,37 @@
  * (two SSE halves without AVX); the compiler left a plain loop's reduction
  * scalar (float sums may not be reordered), which took 10x as long. */
 typedef float f8 __attribute__((vector_size(32), aligned(4)));
+typedef int32_t i8 __attribute__((vector_size(32)));
 
 static inline float total(f8 x) { return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7])); }
 
+/* The eight sums of a[0..7]'s lanes, as one vector: pairwise sums three
+ * times over (8 -> 4 -> 2 -> 1 vectors) rather than eight separate sums. */
+static inline f8 sums8(const f8 *a) {
+    const i8 even = {0, 8, 2, 10, 4, 12, 6, 14}, odd = {1, 9, 3, 11, 5, 13, 7, 15};
+    const i8 low = {0, 1, 8, 9, 4, 5, 12, 13}, high = {2, 3, 10, 11, 6, 7, 14, 15};
+    const i8 front = {0, 1, 2, 3, 8, 9, 10, 11}, back = {4, 5, 6, 7, 12, 13, 14, 15};
+    f8 b[4], c[2];
+    for (int i = 0; i < 4; i++) /* b[i]: rows 2i, 2i+1 interleaved, 4 partial sums each */
+        b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], even) + __builtin_shuffle(a[2 * i], a[2 * i + 1], odd);
+    for (int i = 0; i < 2; i++) /* c[i]: rows 4i..4i+3, 2 partial sums each, per 128-bit half */
+        c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1], low) + __builtin_shuffle(b[2 * i], b[2 * i + 1], high);
+    /* lanes of c[i]: rows 4i..4i+3 in the low half, and again in the high half */
+    return __builtin_shuffle(c[0], c[1], front) + __builtin_shuffle(c[0], c[1], back);
+}
+
 /* The dot products of `query` with `n` key rows `stride` floats apart, into
- * `scores`; head_dim is a multiple of 8 (cpu.py checks). Four rows at
- * a time: four independent chains of multiply-adds instead of one. */
+ * `scores`; head_dim is a multiple of 8 (cpu.py checks). Eight rows at a
+ * time: eight independent chains of multiply-adds, summed by sums8. */
 static void score_rows(const float *query, const float *keys, int64_t stride, int64_t n, int64_t d, float *scores) {
     int64_t t = 0;
-    for (; t + 4 <= n; t += 4) {
-        const float *k0 = keys + t * stride, *k1 = k0 + stride, *k2 = k1 + stride, *k3 = k2 + stride;
-        f8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    for (; t + 8 <= n; t += 8) {
+        f8 a[8] = {{0}};
         for (int64_t i = 0; i < d; i += 8) {
             const f8 x = *(const f8 *)(query + i);
-            a0 += x * *(const f8 *)(k0 + i);
-            a1 += x * *(const f8 *)(k1 + i);
-            a2 += x * *(const f8 *)(k2 + i);
-            a3 += x * *(const f8 *)(k3 + i);
+            for (int r = 0; r < 8; r++) a[r] += x * *(const f8 *)(keys + (t + r) * stride + i);
         }
-        scores[t] = total(a0), scores[t + 1] = total(a1), scores[t + 2] = total(a2), scores[t + 3] = total(a3);
+        *(f8 *)(scores + t) = sums8(a);
     }
     for (; t < n; t++) {
         f8 a = {0};
@@ -54,9 +66,27 @@ static void score_rows(const float *query, const float *keys, int64_t stride, in
     }
 }
 
-/* acc += w * row, n a multiple of 8 */
-static inline void add_scaled(float *acc, const float *row, float w, int64_t n) {
-    for (int64_t i = 0; i < n; i += 8) *(f8 *)(acc + i) += w * *(const f8 *)(row + i);
+/* acc[:d] += sum over t < n of w[t] * rows[t * stride :][:d], d a multiple of 8. NOTE: 64 floats of
+ * the sum at a time stay in registers over all the rows; adding each row into
+ * memory made every row wait on the previous one's stores. */
+static void add_rows(float *acc, const float *rows, int64_t stride, const float *w, int64_t n, int64_t d) {
+    int64_t c = 0;
+    for (; c + 64 <= d; c += 64) {
+        f8 *sum = (f8 *)(acc + c);
+        f8 r0 = sum[0], r1 = sum[1], r2 = sum[2], r3 = sum[3], r4 = sum[4], r5 = sum[5], r6 = sum[6], r7 = sum[7];
+        for (int64_t t = 0; t < n; t++) {
+            const f8 *v = (const f8 *)(rows + t * stride + c);
+            const float x = w[t];
+            r0 += x * v[0], r1 += x * v[1], r2 += x * v[2], r3 += x * v[3];
+            r4 += x * v[4], r5 += x * v[5], r6 += x * v[6], r7 += x * v[7];
+        }
+        sum[0] = r0, sum[1] = r1, sum[2] = r2, sum[3] = r3, sum[4] = r4, sum[5] = r5, sum[6] = r6, sum[7] = r7;
+    }
+    for (; c < d; c += 8) {
+        f8 r = *(f8 *)(acc + c);
+        for (int64_t t = 0; t < n; t++) r += w[t] * *(const f8 *)(rows + t * stride + c);
+        *(f8 *)(acc + c) = r;
+    }
 }
 
 typedef struct {
@@ -78,10 +108,32 @@ static void prefetch_block(const Layer *p, int64_t id) {
     }
 }
 
+/* e^x for x <= 0 (a score minus the running maximum), eight at once, within
+ * ~2 ulp of expf: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor
+ * series to r^7, times 2^n set in the exponent bits. Below -87 (where expf
+ * would give denormals) it gives ~2^-126: nothing, next to the maximum's 1.
+ * NOTE: one expf call per score was the kernel's largest cost. */
+static inline f8 exp8(f8 x) {
+    const i8 below = x < -87.0f; /* all ones where true */
+    x = (f8)(((i8)x & ~below) | ((i8)(x * 0 - 87.0f) & below));
+    const i8 n = -__builtin_convertvector(0.5f - x * 1.44269504088896341f, i8); /* round(x / ln2) */
+    const f8 nf = __builtin_convertvector(n, f8);
+    const f8 r = (x - nf * 0.693145751953125f) - nf * 1.428606765330187e-06f; /* ln2 in two parts */
+    f8 p = r * (1.0f / 5040) + 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const i8 scale = (n + 127) << 23;
+    return p * (f8)scale;
+}
+
 /* Folds the first `rows` positions of block `id` into sequence `seq`'s running softmax, every head. */
 static void fold_block(const Layer *p, int64_t seq, int64_t id, int64_t rows) {
     const int64_t group = p->heads / p->kv_heads, d = p->head_dim;
-    float scores[TILE];
+    float scores[TILE] __attribute__((aligned(32)));
     for (int64_t h = 0; h < p->heads; h++) {
         const float *query = p->q + (seq * p->heads + h) * d;
         float *acc = p->out + (seq * p->heads + h) * d, *top = p->top + seq * p->heads + h;
@@ -89,9 +141,13 @@ static void fold_block(const Layer *p, int64_t seq, int64_t id, int64_t rows) {
         const int64_t head_at = (h / group) * d;
         const float *keys = p->k + id * p->block_stride + head_at, *values = p->v + id * p->block_stride + head_at;
         for (int64_t start = 0; start < rows; start += TILE) {
-            const int64_t n = rows - start < TILE ? rows - start : TILE;
+            const int64_t n = rows - start < TILE ? rows - start : TILE, padded = (n + 7) & ~7;
             float tile_top = -INFINITY;
+#ifndef NO_SCORE
             score_rows(query, keys + start * p->token_stride, p->token_stride, n, d, scores);
+#else
+            for (int t = 0; t < n; t++) scores[t] = 0.1f * t;
+#endif
             for (int64_t t = 0; t < n; t++) {
                 scores[t] *= p->scale;
                 if (scores[t] > tile_top) tile_top = scores[t];
@@ -102,11 +158,17 @@ static void fold_block(const Layer *p, int64_t seq, int64_t id, int64_t rows) {
                 for (int64_t i = 0; i < d; i++) acc[i] *= shrink;
                 *top = tile_top;
             }
-            for (int64_t t = 0; t < n; t++) {
-                const float w = expf(scores[t] - *top);
-                *mass += w;
-                add_scaled(acc, values + (start + t) * p->token_stride, w, d);
+            f8 sum = {0};
+            for (int64_t t = 0; t < padded; t += 8) {
+                f8 w = exp8(*(f8 *)(scores + t) - *top);
+                for (int64_t i = n - t; i < 8; i++) w[i] = 0; /* past the last row */
+                *(f8 *)(scores + t) = w;
+                sum += w;
             }
+            *mass += total(sum);
+#ifndef NO_ADD
+            add_rows(acc, values + start * p->token_stride, p->token_stride, scores, n, d);
+#endif
         }
     }
 }
@@ -146,24 +208,35 @@ int kvd_paged_decode_f32(const float *q, float *out, float *top, float *mass, co
 /* --- Linear layers of small batches ---
  *
  * y = x W^T + bias for a few rows of x (a decode step's tokens), W packed
- * once as panels of 8 output features: [N / 8][K][8], so that one vector
- * load brings a weight of each of 8 outputs, multiplied by one scalar of x
- * per row. Eight rows at a time keep 8 accumulators in registers; each
- * thread takes a run of panels, reading each from memory once (the next one
- * prefetched while the current one is used) however many rows there are.
- * At 16 rows this read SmolLM2's weights in 52 ms against oneDNN's 80 on a
- * 2-core AVX2 box; past ~32 rows the products are bound by arithmetic and
- * oneDNN's blocking wins (docs/benchmarks.md).
+ * once as panels of PANEL output features: [N / PANEL][K][PANEL], so that
+ * one vector load brings a weight of each of PANEL outputs, multiplied by
+ * one scalar of x per row. PANEL is the width of the machine's vectors: 16
+ * floats with AVX-512, else 8 (cpu.py asks kvd_panel_width to pack). Eight
+ * rows at a time keep 8 accumulators in registers; each thread takes a run
+ * of panels, reading each from memory once (the next one prefetched while
+ * the current one is used) however many rows there are. At 16 rows this
+ * read SmolLM2's weights in 52 ms against oneDNN's 80 on a 2-core AVX2 box;
+ * on an AVX-512 box the 16-wide panels took NN ms against MM with 8-wide
+ * ones. Past ~32 rows the products are bound by arithmetic and oneDNN's
+ * blocking wins (docs/benchmarks.md).
  */
+#ifdef __AVX512F__
+#define PANEL 16
+#else
+#define PANEL 8
+#endif
+typedef float fp __attribute__((vector_size(PANEL * 4), aligned(4)));
+
+int kvd_panel_width(void) { return PANEL; }
 
 /* Eight rows of x against one panel; `next` (or NULL): the panel to prefetch meanwhile. */
-static inline void eight_rows(const float *x, int64_t k, const float *w, const float *next, f8 *out) {
-    f8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
+static inline void eight_rows(const float *x, int64_t k, const float *w, const float *next, fp *out) {
+    fp a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
     const float *x0 = x, *x1 = x0 + k, *x2 = x1 + k, *x3 = x2 + k, *x4 = x3 + k, *x5 = x4 + k, *x6 = x5 + k,
                 *x7 = x6 + k;
     for (int64_t i = 0; i < k; i++) {
-        const f8 wv = *(const f8 *)(w + i * 8);
-        if (next && !(i & 1)) __builtin_prefetch(next + i * 8, 0, 3); /* a 64-byte line holds two steps */
+        const fp wv = *(const fp *)(w + i * PANEL);
+        if (next && !(i & (16 / PANEL - 1))) __builtin_prefetch(next + i * PANEL, 0, 3); /* once per 64-byte line */
         a0 += x0[i] * wv, a1 += x1[i] * wv, a2 += x2[i] * wv, a3 += x3[i] * wv;
         a4 += x4[i] * wv, a5 += x5[i] * wv, a6 += x6[i] * wv, a7 += x7[i] * wv;
     }
@@ -171,36 +244,36 @@ static inline void eight_rows(const float *x, int64_t k, const float *w, const f
 }
 
 /* Fewer than eight rows: one row at a time, two accumulators each. */
-static inline void some_rows(const float *x, int64_t k, int64_t rows, const float *w, f8 *out) {
+static inline void some_rows(const float *x, int64_t k, int64_t rows, const float *w, fp *out) {
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * k;
-        f8 a = {0}, b = {0};
+        fp a = {0}, b = {0};
         int64_t i = 0;
         for (; i + 2 <= k; i += 2) {
-            a += xr[i] * *(const f8 *)(w + i * 8);
-            b += xr[i + 1] * *(const f8 *)(w + (i + 1) * 8);
+            a += xr[i] * *(const fp *)(w + i * PANEL);
+            b += xr[i + 1] * *(const fp *)(w + (i + 1) * PANEL);
         }
-        if (i < k) a += xr[i] * *(const f8 *)(w + i * 8);
+        if (i < k) a += xr[i] * *(const fp *)(w + i * PANEL);
         out[r] = a + b;
     }
 }
 
-/* y [m, n] = x [m, k] W^T (+ bias [n], or NULL); W as panels [n / 8][k][8]; n a multiple of 8. */
+/* y [m, n] = x [m, k] W^T (+ bias [n], or NULL); W as panels [n / PANEL][k][PANEL]; n a multiple of PANEL. */
 void kvd_small_linear_f32(const float *x, const float *panels, const float *bias, float *y, int64_t m, int64_t n,
                           int64_t k) {
-    const int64_t count = n / 8;
+    const int64_t count = n / PANEL;
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < count; p++) {
-        const float *w = panels + p * k * 8, *next = p + 1 < count ? w + k * 8 : 0;
-        const f8 b = bias ? *(const f8 *)(bias + p * 8) : (f8){0};
+        const float *w = panels + p * k * PANEL, *next = p + 1 < count ? w + k * PANEL : 0;
+        const fp b = bias ? *(const fp *)(bias + p * PANEL) : (fp){0};
         for (int64_t m0 = 0; m0 < m; m0 += 8) {
-            f8 acc[8];
+            fp acc[8];
             const int64_t rows = m - m0 < 8 ? m - m0 : 8;
             if (rows == 8)
                 eight_rows(x + m0 * k, k, w, m0 == 0 ? next : 0, acc);
             else
                 some_rows(x + m0 * k, k, rows, w, acc);
-            for (int64_t r = 0; r < rows; r++) *(f8 *)(y + (m0 + r) * n + p * 8) = acc[r] + b;
+            for (int64_t r = 0; r < rows; r++) *(fp *)(y + (m0 + r) * n + p * PANEL) = acc[r] + b;
         }
     }
 }

@@ -108,6 +108,7 @@ def load() -> ctypes.CDLL | None:
     small = library.kvd_small_linear_f32
     small.restype = None
     small.argtypes = [ctypes.c_void_p] * 4 + [_I64] * 3
+    library.kvd_panel_width.restype = ctypes.c_int
     return library
 
 
@@ -175,25 +176,35 @@ def paged_decode(
     return out, running[0]
 
 
+def panel_width() -> int:
+    """The outputs of one of ``small_linear``'s panels: the built kernel's vector width in floats (8 or 16)."""
+    library = load()
+    assert library is not None, "check available() first"
+    return library.kvd_panel_width()
+
+
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """A linear layer's float32 weight ``[N, K]`` (N a multiple of 8) as ``small_linear``'s panels ``[N / 8, K, 8]``."""
+    """A linear layer's float32 weight ``[N, K]`` (N a multiple of ``panel_width()``, W) as
+    ``small_linear``'s panels ``[N / W, K, W]``."""
     out_features, in_features = weight.shape
-    if out_features % 8 or weight.dtype != torch.float32:
-        raise ValueError(f"panels take float32 weights with a multiple of 8 outputs, not {tuple(weight.shape)}")
-    return weight.detach().view(out_features // 8, 8, in_features).transpose(1, 2).contiguous()
+    width = panel_width()
+    if out_features % width or weight.dtype != torch.float32:
+        raise ValueError(f"panels take float32 weights with a multiple of {width} outputs, not {tuple(weight.shape)}")
+    return weight.detach().view(out_features // width, width, in_features).transpose(1, 2).contiguous()
 
 
 def small_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x W^T + bias`` for ``x`` of up to ``SMALL_ROWS`` rows (any leading dimensions), W in ``pack_panels``."""
     library = load()
     assert library is not None, "check available() first"
-    count, in_features, _ = panels.shape
+    count, in_features, width = panels.shape
+    out_features = count * width
     rows = x.reshape(-1, in_features).contiguous()
     if rows.dtype != torch.float32:
         raise ValueError(f"small_linear takes float32, not {rows.dtype}")
-    out = rows.new_empty(rows.shape[0], count * 8)
+    out = rows.new_empty(rows.shape[0], out_features)
     library.kvd_small_linear_f32(
         rows.data_ptr(), panels.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-        rows.shape[0], count * 8, in_features,
+        rows.shape[0], out_features, in_features,
     )  # fmt: skip
-    return out.view(*x.shape[:-1], count * 8)
+    return out.view(*x.shape[:-1], out_features)

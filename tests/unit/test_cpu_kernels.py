@@ -28,6 +28,18 @@ def fresh_build(monkeypatch, tmp_path):
     cpu.use(True)
 
 
+#: the machine's own vector width, and 256-bit vectors as on a machine without
+#: AVX-512 (the same build where it has none): both widths of the linear kernel's panels
+VECTOR_BUILDS = {"native": (), "without AVX-512": ("-mno-avx512f",)}
+
+
+@pytest.fixture(params=VECTOR_BUILDS)
+def each_vector_width(request, fresh_build, monkeypatch):
+    monkeypatch.setattr(cpu, "FLAGS", cpu.FLAGS + VECTOR_BUILDS[request.param])
+    if request.param != "native":
+        assert cpu.panel_width() == 8
+
+
 def reference(q, layer_k, layer_v, blocks, lens, scale):
     """float64 softmax attention over each sequence's gathered positions: outputs and log-sum-exps."""
     outs, lses = [], []
@@ -51,7 +63,7 @@ SHAPES = {
 
 
 @pytest.mark.parametrize("name", SHAPES)
-def test_the_kernel_equals_softmax_attention_over_the_gathered_positions(fresh_build, name):
+def test_the_kernel_equals_softmax_attention_over_the_gathered_positions(each_vector_width, name):
     heads, kv_heads, dim, block, lengths = SHAPES[name]
     assert shutil.which("cc"), "the machine's C compiler builds the kernel"
     assert cpu.load() is not None
@@ -117,21 +129,21 @@ def test_a_failed_build_leaves_the_torch_path_and_says_why(fresh_build, monkeypa
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 16, 21, 32])
 @pytest.mark.parametrize("bias", [True, False])
-def test_the_small_batch_linear_equals_torchs(fresh_build, rows, bias):
+def test_the_small_batch_linear_equals_torchs(each_vector_width, rows, bias):
     gen = torch.Generator().manual_seed(rows)
-    linear = torch.nn.Linear(72, 40, bias=bias)
+    linear = torch.nn.Linear(72, 48, bias=bias)
     with torch.no_grad():
-        linear.weight.copy_(torch.randn(40, 72, generator=gen))
+        linear.weight.copy_(torch.randn(48, 72, generator=gen))
         if bias:
-            linear.bias.copy_(torch.randn(40, generator=gen))
+            linear.bias.copy_(torch.randn(48, generator=gen))
     x = torch.randn(1, rows, 72, generator=gen)  # the model's [batch, tokens, features]
     got = cpu.small_linear(x, cpu.pack_panels(linear.weight), linear.bias)
     want = torch.nn.functional.linear(x.double(), linear.weight.double(), None if not bias else linear.bias.double())
-    assert got.shape == (1, rows, 40)
+    assert got.shape == (1, rows, 48)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
 
 
-def test_a_packed_linear_takes_the_kernel_for_few_rows_and_onednn_for_many(fresh_build, monkeypatch):
+def test_a_packed_linear_takes_the_kernel_for_few_rows_and_onednn_for_many(each_vector_width, monkeypatch):
     linear = torch.nn.Linear(64, 48)
     packed = PackedLinear(linear, panels=True)
     calls = []
@@ -141,4 +153,4 @@ def test_a_packed_linear_takes_the_kernel_for_few_rows_and_onednn_for_many(fresh
         x = torch.randn(1, rows, 64)
         torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-4)
     assert calls == [(1, 4, 64), (1, cpu.SMALL_ROWS, 64)]
-    assert PackedLinear(torch.nn.Linear(64, 12), panels=True).panels is None  # outputs not a multiple of 8
+    assert PackedLinear(torch.nn.Linear(64, 12), panels=True).panels is None  # outputs not a multiple of a panel
