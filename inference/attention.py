@@ -74,6 +74,10 @@ def torch_paged_attention(
 ) -> tuple[torch.Tensor, None]:
     """The reference backend (CPU and GPU): decodes batched, prefill chunks one by one.
 
+    On the CPU, float32 chunks of a plain layer (no soft-capping, no window
+    cutting into the context) take the C prefill kernel, the rest torch's
+    SDPA (:func:`_attend`).
+
     Args:
         query: ``[1, heads, tokens, head_dim]``; key, value: ``[1, kv_heads, tokens, head_dim]``.
 
@@ -88,10 +92,14 @@ def torch_paged_attention(
     out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)
     looped = range(len(meta.context_lens)) if meta.looped is None else meta.looped
     for i in looped:
-        start, end = meta.query_start[i], meta.query_start[i + 1]
-        k = gather_kv(layer_k, meta.block_tables[i], meta.context_lens[i])
-        v = gather_kv(layer_v, meta.block_tables[i], meta.context_lens[i])
-        out[start:end] = _attend(q[:, start:end], k, v, layer, meta.mask(i, layer.window)).transpose(0, 1)
+        start, end, context = meta.query_start[i], meta.query_start[i + 1], meta.context_lens[i]
+        k = gather_kv(layer_k, meta.block_tables[i], context)
+        v = gather_kv(layer_v, meta.block_tables[i], context)
+        plain = layer.softcap is None and (layer.window is None or context <= layer.window)
+        if plain and cpu.prefill_fits(q, k):  # the C kernel: float32 on the CPU (inference.kernels.cpu)
+            cpu.prefill(q[:, start:end], k, v, out[start:end], layer.scale)
+        else:
+            out[start:end] = _attend(q[:, start:end], k, v, layer, meta.mask(i, layer.window)).transpose(0, 1)
     if meta.decode is not None:
         window_mask = meta.decode_window_mask(layer.window)
         # NOTE: index_copy_/index_select, not indexing: ~5x cheaper per call on the CPU at these sizes.

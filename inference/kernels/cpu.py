@@ -109,6 +109,11 @@ def load() -> ctypes.CDLL | None:
     small.restype = None
     small.argtypes = [ctypes.c_void_p] * 4 + [_I64] * 3
     library.kvd_panel_width.restype = ctypes.c_int
+    prefill = library.kvd_prefill_f32
+    prefill.restype = ctypes.c_int
+    prefill.argtypes = [ctypes.c_void_p, _I64, _I64, ctypes.c_void_p, ctypes.c_void_p, _I64, ctypes.c_void_p,
+                        *[_I64] * 6, ctypes.c_float]  # fmt: skip
+    library.kvd_prefill_multiple.restype = ctypes.c_int
     return library
 
 
@@ -208,3 +213,44 @@ def small_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | Non
         rows.shape[0], out_features, in_features,
     )  # fmt: skip
     return out.view(*x.shape[:-1], out_features)
+
+
+def prefill_fits(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether a chunk's attention can take ``prefill`` (it runs, float32, head dims its multiple)."""
+    heads, kv_heads, head_dim = q.shape[0], k.shape[1], q.shape[2]
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.float32
+        and k.dtype == torch.float32
+        and heads % kv_heads == 0
+        and available()
+        and head_dim % load().kvd_prefill_multiple() == 0
+    )
+
+
+def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+    """Causal attention of a chunk's queries, the last ``q_len`` of ``k_len``
+    positions (each sees the positions up to its own), written into ``out``.
+
+    Args:
+        q: ``[heads, q_len, head_dim]`` (strided; the head dimension contiguous).
+        k, v: ``[k_len, kv_heads, head_dim]`` as gathered (rows in position order).
+        out: ``[q_len, heads, head_dim]`` (strided the same way).
+    """
+    library = load()
+    assert library is not None, "check prefill_fits() first"
+    heads, q_len, head_dim = q.shape
+    k_len, kv_heads, _ = k.shape
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}'s head dimension must be contiguous")
+    if k.stride() != v.stride() or k.stride(1) != head_dim or out.stride(1) != head_dim:
+        raise ValueError(f"unexpected strides: k {k.stride()}, v {v.stride()}, out {out.stride()}")
+    if out.shape != (q_len, heads, head_dim):
+        raise ValueError(f"out must be {(q_len, heads, head_dim)}, not {tuple(out.shape)}")
+    code = library.kvd_prefill_f32(
+        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), k.stride(0),
+        out.data_ptr(), out.stride(0), q_len, k_len, heads, kv_heads, head_dim, scale,
+    )  # fmt: skip
+    if code:
+        raise ValueError(f"the prefill kernel refused: q {tuple(q.shape)}, k {tuple(k.shape)} (code {code})")

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import logging
 import shutil
+import types
 
 import pytest
 import torch
 
-from inference.attention import _attend_decodes
+from inference.attention import _attend_decodes, torch_paged_attention
 from inference.attention_metadata import DecodeBatch, LayerAttention
 from inference.cpu_linear import PackedLinear
 from inference.kernels import cpu
+from inference.model_runner import ModelRunner
+from inference.step_inputs import Chunk
 
 
 @pytest.fixture
@@ -112,6 +115,76 @@ def test_batched_decodes_take_the_kernel_and_agree_with_the_gathering_path(fresh
 
 
 KERNEL = cpu.paged_decode
+
+
+def causal_reference(q, k, v, scale):
+    """float64 attention of the last q_len of k_len positions, each seeing the positions up to its own."""
+    q_len, k_len, group = q.shape[1], k.shape[0], q.shape[0] // k.shape[1]
+    k, v = (t.double().repeat_interleave(group, dim=1).transpose(0, 1) for t in (k, v))  # [heads, k_len, d]
+    scores = q.double() @ k.transpose(1, 2) * scale
+    hidden = torch.ones(q_len, k_len, dtype=torch.bool).triu_(k_len - q_len + 1)
+    return (scores.masked_fill(hidden, float("-inf")).softmax(-1) @ v).transpose(0, 1)  # [q_len, heads, d]
+
+
+PREFILLS = {
+    # heads, kv heads, head dim, queries, positions
+    "SmolLM2-like square chunk": (9, 3, 64, 40, 40),
+    "a chunk after cached positions": (9, 3, 64, 21, 150),
+    "one query": (9, 3, 64, 1, 77),
+    "no grouping, head dim 128": (4, 4, 128, 33, 70),
+    "groups of four, tiles of keys cut by the diagonal": (8, 2, 64, 70, 200),
+}
+
+
+@pytest.mark.parametrize("sharpness", [1.0, 40.0])
+@pytest.mark.parametrize("name", PREFILLS)
+def test_the_prefill_kernel_equals_causal_attention(each_vector_width, name, sharpness):
+    heads, kv_heads, dim, q_len, k_len = PREFILLS[name]
+    gen = torch.Generator().manual_seed(2)
+    tokens = torch.randn(q_len + 3, heads, dim, generator=gen) * sharpness
+    q = tokens.transpose(0, 1)[:, 2 : 2 + q_len]  # [heads, q_len, d], strided as the model's queries
+    k, v = torch.randn(k_len, kv_heads, dim, generator=gen), torch.randn(k_len, kv_heads, dim, generator=gen)
+    out = torch.full((q_len + 2, heads, dim), float("nan"))
+    assert cpu.prefill_fits(q, k)
+
+    cpu.prefill(q, k, v, out[1 : 1 + q_len], dim**-0.5)
+
+    # scores in the hundreds carry float32's rounding: torch's own SDPA is 1.9e-5 off on the sharp square chunk
+    tolerance = 1e-5 if sharpness == 1 else 5e-5
+    want = causal_reference(q, k, v, dim**-0.5)
+    torch.testing.assert_close(out[1 : 1 + q_len].double(), want, rtol=tolerance, atol=tolerance)
+    assert out[0].isnan().all() and out[-1].isnan().all(), "nothing written outside its rows"
+
+
+def test_prefill_chunks_take_the_kernel_and_agree_with_sdpa(fresh_build, monkeypatch):
+    """Through the torch backend: a float32 chunk after cached positions and a
+    square one; a windowed layer whose window cuts into the context keeps SDPA."""
+    cache = torch.randn(32, 2, 2, 16, 3, 64, generator=torch.Generator().manual_seed(3))
+    r = ModelRunner(torch.nn.Linear(1, 1), cache, 16)
+    chunks = [Chunk(list(range(30)), 40, [1, 2, 3, 4, 5], 40, True), Chunk(list(range(20)), 0, [6, 7], 0, False)]
+    _, _, meta, _ = r._prepare(chunks)
+    gen = torch.Generator().manual_seed(4)
+    query, key = torch.randn(1, 9, 50, 64, generator=gen), torch.randn(1, 3, 50, 64, generator=gen)
+    layer = types.SimpleNamespace(layer_idx=1)
+    calls = []
+    monkeypatch.setattr(cpu, "prefill", lambda *a: calls.append(1) or PREFILL(*a))
+
+    with_kernel = torch_paged_attention(layer, query, key, key, None, attn_metadata=meta)[0]
+    assert len(calls) == 2
+    torch_paged_attention(layer, query, key, key, None, attn_metadata=meta, sliding_window=50)
+    assert len(calls) == 3, "the window cuts into the first chunk's 70 positions, not the second's 20"
+    assert not cpu.use(False)
+    with_sdpa = torch_paged_attention(layer, query, key, key, None, attn_metadata=meta)[0]
+    assert len(calls) == 3
+    torch.testing.assert_close(with_kernel, with_sdpa, rtol=1e-5, atol=1e-5)
+
+
+PREFILL = cpu.prefill
+
+
+def test_the_prefill_kernel_leaves_float64_and_unfit_head_dims_to_sdpa(fresh_build):
+    assert not cpu.prefill_fits(torch.zeros(4, 3, 64, dtype=torch.float64), torch.zeros(3, 2, 64, dtype=torch.float64))
+    assert not cpu.prefill_fits(torch.zeros(4, 3, 24), torch.zeros(3, 2, 24))  # not a multiple of four vectors
 
 
 def test_float64_and_unfit_head_dims_keep_the_torch_path(fresh_build):
