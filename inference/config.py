@@ -119,7 +119,8 @@ class EngineSettings:
         default=False,
         convert=operator.not_,
         help="on the CPU, leave out the C kernels the engine compiles at load (decode attention reading blocks"
-        " in place; small-batch linear layers, which keep a second copy of the weights): docs/engine.md",
+        " in place; prefill attention; small-batch linear layers, which keep a second copy of the weights):"
+        " docs/engine.md",
     )
     metrics_port: int = setting(
         "--metrics-port",

@@ -1,5 +1,6 @@
 /* The engine's C kernels on the CPU: paged decode attention reading K/V
- * where they lie in the cache, and the linear layers of small batches.
+ * where they lie in the cache, prefill attention, and the linear layers of
+ * small batches.
  *
  * Built at run time by inference/kernels/cpu.py with the machine's C
  * compiler (-O3 -march=native -fopenmp) and called through ctypes; OpenMP
@@ -29,6 +30,37 @@
  * scalar (float sums may not be reordered), which took 10x as long. */
 typedef float f8 __attribute__((vector_size(32), aligned(4)));
 typedef int32_t i8 __attribute__((vector_size(32)));
+
+/* The machine's widest vector of floats (PANEL of them): 16 with AVX-512, else 8. */
+#ifdef __AVX512F__
+#define PANEL 16
+#else
+#define PANEL 8
+#endif
+typedef float fp __attribute__((vector_size(PANEL * 4), aligned(4)));
+typedef int32_t ip __attribute__((vector_size(PANEL * 4)));
+
+/* e^x for x <= 0 (a score minus its running maximum), PANEL at once, within
+ * ~2 ulp of expf: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor
+ * series to r^7, times 2^n set in the exponent bits. Below -87 (where expf
+ * would give denormals) it gives ~2^-126: nothing, next to the maximum's 1.
+ * NOTE: one expf call per score was the decode kernel's largest cost. */
+static inline fp expv(fp x) {
+    const fp lowest = (fp){0} - 87.0f;
+    const ip below = x < lowest; /* all ones where true */
+    x = (fp)(((ip)x & ~below) | ((ip)lowest & below));
+    const ip n = -__builtin_convertvector(0.5f - x * 1.44269504088896341f, ip); /* round(x / ln2) */
+    const fp nf = __builtin_convertvector(n, fp);
+    const fp r = (x - nf * 0.693145751953125f) - nf * 1.428606765330187e-06f; /* ln2 in two parts */
+    fp p = r * (1.0f / 5040) + 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    return p * (fp)((n + 127) << 23);
+}
 
 static inline float total(f8 x) { return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7])); }
 
@@ -109,33 +141,10 @@ static void prefetch_block(const Layer *p, int64_t id) {
     }
 }
 
-/* e^x for x <= 0 (a score minus the running maximum), eight at once, within
- * ~2 ulp of expf: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor
- * series to r^7, times 2^n set in the exponent bits. Below -87 (where expf
- * would give denormals) it gives ~2^-126: nothing, next to the maximum's 1.
- * NOTE: one expf call per score was the kernel's largest cost. */
-static inline f8 exp8(f8 x) {
-    const f8 lowest = (f8){0} - 87.0f;
-    const i8 below = x < lowest; /* all ones where true */
-    x = (f8)(((i8)x & ~below) | ((i8)lowest & below));
-    const i8 n = -__builtin_convertvector(0.5f - x * 1.44269504088896341f, i8); /* round(x / ln2) */
-    const f8 nf = __builtin_convertvector(n, f8);
-    const f8 r = (x - nf * 0.693145751953125f) - nf * 1.428606765330187e-06f; /* ln2 in two parts */
-    f8 p = r * (1.0f / 5040) + 1.0f / 720;
-    p = p * r + 1.0f / 120;
-    p = p * r + 1.0f / 24;
-    p = p * r + 1.0f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const i8 scale = (n + 127) << 23;
-    return p * (f8)scale;
-}
-
 /* Folds the first `rows` positions of block `id` into sequence `seq`'s running softmax, every head. */
 static void fold_block(const Layer *p, int64_t seq, int64_t id, int64_t rows) {
     const int64_t group = p->heads / p->kv_heads, d = p->head_dim;
-    float scores[TILE] __attribute__((aligned(32)));
+    float scores[TILE] __attribute__((aligned(64))); /* TILE: a multiple of PANEL */
     for (int64_t h = 0; h < p->heads; h++) {
         const float *query = p->q + (seq * p->heads + h) * d;
         float *acc = p->out + (seq * p->heads + h) * d, *top = p->top + seq * p->heads + h;
@@ -143,7 +152,7 @@ static void fold_block(const Layer *p, int64_t seq, int64_t id, int64_t rows) {
         const int64_t head_at = (h / group) * d;
         const float *keys = p->k + id * p->block_stride + head_at, *values = p->v + id * p->block_stride + head_at;
         for (int64_t start = 0; start < rows; start += TILE) {
-            const int64_t n = rows - start < TILE ? rows - start : TILE, padded = (n + 7) & ~7;
+            const int64_t n = rows - start < TILE ? rows - start : TILE, padded = (n + PANEL - 1) / PANEL * PANEL;
             float tile_top = -INFINITY;
             score_rows(query, keys + start * p->token_stride, p->token_stride, n, d, scores);
             for (int64_t t = 0; t < n; t++) {
@@ -156,14 +165,14 @@ static void fold_block(const Layer *p, int64_t seq, int64_t id, int64_t rows) {
                 for (int64_t i = 0; i < d; i++) acc[i] *= shrink;
                 *top = tile_top;
             }
-            f8 sum = {0};
-            for (int64_t t = 0; t < padded; t += 8) {
-                f8 w = exp8(*(f8 *)(scores + t) - *top);
-                for (int64_t i = n - t; i < 8; i++) w[i] = 0; /* past the last row */
-                *(f8 *)(scores + t) = w;
+            fp sum = {0};
+            for (int64_t t = 0; t < padded; t += PANEL) {
+                fp w = expv(*(fp *)(scores + t) - *top);
+                for (int64_t i = n - t; i < PANEL; i++) w[i] = 0; /* past the last row */
+                *(fp *)(scores + t) = w;
                 sum += w;
             }
-            *mass += total(sum);
+            for (int64_t i = 0; i < PANEL; i++) *mass += sum[i];
             add_rows(acc, values + start * p->token_stride, p->token_stride, scores, n, d);
         }
     }
@@ -216,12 +225,6 @@ int kvd_paged_decode_f32(const float *q, float *out, float *top, float *mass, co
  * ones. Past ~32 rows the products are bound by arithmetic and oneDNN's
  * blocking wins (docs/benchmarks.md).
  */
-#ifdef __AVX512F__
-#define PANEL 16
-#else
-#define PANEL 8
-#endif
-typedef float fp __attribute__((vector_size(PANEL * 4), aligned(4)));
 
 int kvd_panel_width(void) { return PANEL; }
 
@@ -290,26 +293,6 @@ void kvd_small_linear_f32(const float *x, const float *panels, const float *bias
 #define KT (4 * PANEL) /* keys per tile: four vectors of scores */
 #define QT 16          /* query tokens per task */
 #define RB (PANEL == 16 ? 4 : 2) /* rows per register block: 4 x 4 accumulators fill AVX2's 16 registers */
-typedef int32_t ip __attribute__((vector_size(PANEL * 4)));
-
-/* e^x for x <= 0, PANEL at once: exp8's method (Taylor to r^7 after x = n ln2 + r). */
-static inline fp expv(fp x) {
-    const fp lowest = (fp){0} - 87.0f;
-    const ip below = x < lowest;
-    x = (fp)(((ip)x & ~below) | ((ip)lowest & below));
-    const ip n = -__builtin_convertvector(0.5f - x * 1.44269504088896341f, ip);
-    const fp nf = __builtin_convertvector(n, fp);
-    const fp r = (x - nf * 0.693145751953125f) - nf * 1.428606765330187e-06f;
-    fp p = r * (1.0f / 5040) + 1.0f / 720;
-    p = p * r + 1.0f / 120;
-    p = p * r + 1.0f / 24;
-    p = p * r + 1.0f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    return p * (fp)((n + 127) << 23);
-}
-
 static inline fp larger(fp a, fp b) {
     const ip more = a > b;
     return (fp)(((ip)a & more) | ((ip)b & ~more));
