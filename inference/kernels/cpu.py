@@ -124,17 +124,24 @@ def available() -> bool:
     return _wanted and load() is not None
 
 
-def fits(q: torch.Tensor, layer_k: torch.Tensor) -> bool:
-    """Whether this layer's decodes can take ``paged_decode`` (it runs, and the shapes and dtype are its)."""
-    heads, kv_heads, head_dim = q.shape[0], layer_k.shape[2], q.shape[2]
+def _attention_fits(q: torch.Tensor, kv_dtype: torch.dtype, kv_heads: int, head_multiple) -> bool:
+    """Whether an attention kernel runs on these queries ``[heads, tokens, head_dim]``:
+    built, float32 on the CPU, whole groups of query heads, ``head_dim`` a multiple
+    of ``head_multiple(library)``."""
+    heads, head_dim = q.shape[0], q.shape[2]
     return (
         q.device.type == "cpu"
         and q.dtype == torch.float32
-        and layer_k.dtype == torch.float32
+        and kv_dtype == torch.float32
         and heads % kv_heads == 0
-        and head_dim % 8 == 0
         and available()
+        and head_dim % head_multiple(load()) == 0
     )
+
+
+def fits(q: torch.Tensor, layer_k: torch.Tensor) -> bool:
+    """Whether this layer's decodes can take ``paged_decode`` (it runs, and the shapes and dtype are its)."""
+    return _attention_fits(q, layer_k.dtype, layer_k.shape[2], lambda _: 8)
 
 
 def _ptr(t: torch.Tensor, kind):
@@ -219,15 +226,7 @@ def small_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | Non
 
 def prefill_fits(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether a chunk's attention can take ``prefill`` (it runs, float32, head dims its multiple)."""
-    heads, kv_heads, head_dim = q.shape[0], k.shape[1], q.shape[2]
-    return (
-        q.device.type == "cpu"
-        and q.dtype == torch.float32
-        and k.dtype == torch.float32
-        and heads % kv_heads == 0
-        and available()
-        and head_dim % load().kvd_prefill_multiple() == 0
-    )
+    return _attention_fits(q, k.dtype, k.shape[1], lambda library: library.kvd_prefill_multiple())
 
 
 def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, scale: float) -> None:
