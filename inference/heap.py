@@ -15,8 +15,8 @@ Two ``mallopt`` settings keep them: the mmap threshold at glibc's largest
 a trim threshold of 1 GiB. The heap then stays at the forwards' peak, which
 it reaches within the first steps anyway. Measured on a 2-core AMD EPYC
 (AVX-512), SmolLM2 float32: a 512-token prefill forward took 377 ms against
-678, a step of 14 decodes and 512 prompt tokens 434 against 577 (docs/
-benchmarks.md). vLLM's CPU workers get the same effect by preloading
+678, a step of 14 decodes and 512 prompt tokens 434 against 577
+(docs/benchmarks.md). vLLM's CPU workers get the same effect by preloading
 tcmalloc.
 
 Not applied where the environment sets glibc's malloc tunables itself
