@@ -64,6 +64,13 @@ static inline fp expv(fp x) {
 
 static inline float total(f8 x) { return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7])); }
 
+/* The sum of a PANEL-wide vector's lanes. */
+static inline float lane_sum(fp x) {
+    float sum = 0.0f;
+    for (int i = 0; i < PANEL; i++) sum += x[i];
+    return sum;
+}
+
 /* The eight sums of a[0..7]'s lanes, as one vector: pairwise sums three
  * times over (8 -> 4 -> 2 -> 1 vectors) rather than eight separate sums. */
 static inline f8 sums8(const f8 *a) {
@@ -172,7 +179,7 @@ static void fold_block(const Layer *p, int64_t seq, int64_t id, int64_t rows) {
                 *(fp *)(scores + t) = w;
                 sum += w;
             }
-            for (int64_t i = 0; i < PANEL; i++) *mass += sum[i];
+            *mass += lane_sum(sum);
             add_rows(acc, values + start * p->token_stride, p->token_stride, scores, n, d);
         }
     }
@@ -396,7 +403,7 @@ static void prefill_task(const Chunk *p, int64_t g, int64_t t0, int64_t t1, floa
                 sum[c % PANEL] -= s[c];
                 s[c] = 0.0f;
             }
-            for (int64_t l = 0; l < PANEL; l++) mass[r] += sum[l];
+            mass[r] += lane_sum(sum);
         }
         const float *values = p->v + j0 * p->kv_token_stride + g * d;
         for (int64_t r = 0; r < padded; r += RB) add_block(acc + r * d, d, scores + r * KT, values, p->kv_token_stride, n);
@@ -427,7 +434,10 @@ int kvd_prefill_f32(const float *q, int64_t q_head_stride, int64_t q_token_strid
 #pragma omp parallel
     {
         float *work = aligned_alloc(64, floats * sizeof(float));
-        if (!work) failed = 1;
+        if (!work) {
+#pragma omp atomic write
+            failed = 1;
+        }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
             const int64_t tile = tiles - 1 - task / kv_heads; /* the longest rows first */

@@ -110,12 +110,13 @@ def load() -> ctypes.CDLL | None:
     small = library.kvd_small_linear_f32
     small.restype = None
     small.argtypes = [ctypes.c_void_p] * 4 + [_I64] * 3
-    library.kvd_panel_width.restype = ctypes.c_int
     prefill = library.kvd_prefill_f32
     prefill.restype = ctypes.c_int
     prefill.argtypes = [ctypes.c_void_p, _I64, _I64, ctypes.c_void_p, ctypes.c_void_p, _I64, ctypes.c_void_p,
                         *[_I64] * 6, ctypes.c_float]  # fmt: skip
-    library.kvd_prefill_multiple.restype = ctypes.c_int
+    # The build's constants, read once here rather than through ctypes on every layer's call.
+    library.panel_width = library.kvd_panel_width()
+    library.prefill_multiple = library.kvd_prefill_multiple()
     return library
 
 
@@ -194,7 +195,7 @@ def panel_width() -> int:
     """The outputs of one of ``small_linear``'s panels: the built kernel's vector width in floats (8 or 16)."""
     library = load()
     assert library is not None, "check available() first"
-    return library.kvd_panel_width()
+    return library.panel_width
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -226,7 +227,7 @@ def small_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | Non
 
 def prefill_fits(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether a chunk's attention can take ``prefill`` (it runs, float32, head dims its multiple)."""
-    return _attention_fits(q, k.dtype, k.shape[1], lambda library: library.kvd_prefill_multiple())
+    return _attention_fits(q, k.dtype, k.shape[1], lambda library: library.prefill_multiple)
 
 
 def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, scale: float) -> None:
