@@ -6,11 +6,12 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import torch
 
-from inference import attention, cpu_linear, model_identity, model_store, model_support
+from inference import attention, cpu_linear, model_identity, model_store, model_support, openmp
 from inference.config import EngineConfig, EngineSettings
 from inference.engine import Engine
 from inference.kernels import cpu
@@ -40,11 +41,8 @@ class EngineApp:
         cache_dir = settings.model_cache_dir or model_store.default_cache_dir()
         path = model_store.resolve_model(settings.model, cache_dir)
         model_support.check_supported(model_store.load_config(path))  # before loading any weights
-        self.model = model_store.load_model(path, model_store.parse_dtype(self.dtype), self.device)
-        # float32 on the CPU only; the C kernels are built now (under a second), not in the first step
-        kernels = self.device == "cpu" and cpu.use(settings.cpu_kernels)
-        if packed := cpu_linear.pack_linears(self.model, panels=kernels):
-            log.info("linear layers on oneDNN, weights packed", extra={"layers": packed, "c_kernels": kernels})
+        # NOTE: not on this thread, whose OpenMP pool would outlive the load (inference/openmp.py)
+        self.model = openmp.in_passing_thread(lambda: self._load_model(path))
         self.tokenizer = model_store.load_tokenizer(path)
         self.spec = model_store.model_spec(self.model.config, self.model.generation_config)
         self.backend = attention.choose_backend(settings.attention_backend, self.device)
@@ -87,6 +85,14 @@ class EngineApp:
         )
         self.server = build_server(service, settings.max_open_requests)
         self.port = self.server.add_port(settings.listen)
+
+    def _load_model(self, path: Path) -> torch.nn.Module:
+        model = model_store.load_model(path, model_store.parse_dtype(self.dtype), self.device)
+        # float32 on the CPU only; the C kernels are built now (under a second), not in the first step
+        kernels = self.device == "cpu" and cpu.use(self.settings.cpu_kernels)
+        if packed := cpu_linear.pack_linears(model, panels=kernels):
+            log.info("linear layers on oneDNN, weights packed", extra={"layers": packed, "c_kernels": kernels})
+        return model
 
     def start(self) -> None:
         self.server.start()

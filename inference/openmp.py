@@ -1,4 +1,5 @@
-"""How the engine's OpenMP threads wait between parallel regions, set before torch loads OpenMP.
+"""How the engine's OpenMP threads wait between parallel regions, set before
+torch loads OpenMP, and which thread may start them.
 
 Two settings, each a default the environment may override:
 
@@ -13,16 +14,51 @@ Two settings, each a default the environment may override:
   would leave the cores to the other processes (benchmarks/vs_vllm.py:
   2.23 -> 2.66 requests/s on its shared workload). A dedicated box may set
   ``OMP_WAIT_POLICY=ACTIVE`` instead.
+
+And one rule: **one lasting thread starts parallel work** (the engine loop).
+libgomp gives every thread that starts a parallel region a pool of its own
+workers, kept until that thread exits; once the pools hold more threads than
+the process has CPUs, every wait spins about a hundred times instead of
+``GOMP_SPINCOUNT`` and then sleeps. A model loaded on the main thread and run
+on the engine loop made two pools: each thread of a 16-sequence decode
+forward then slept ~300 times a forward, which took 50 ms against 35
+(SmolLM2, 2 cores). So the load runs in a thread that ends
+(``in_passing_thread``), and its pool with it.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "20000"}
+
+T = TypeVar("T")
 
 
 def set_defaults() -> None:
     """Sets each default the environment leaves unset (call before importing torch)."""
     for name, value in DEFAULTS.items():
         os.environ.setdefault(name, value)
+
+
+def in_passing_thread(work: Callable[[], T], name: str = "engine-load") -> T:
+    """``work()`` on a thread that exits when it returns, which takes the
+    OpenMP pool that work made with it; its result, or its exception raised here."""
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, work()))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            outcome.append((False, exc))
+
+    thread = threading.Thread(target=run, name=name)
+    thread.start()
+    thread.join()
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value

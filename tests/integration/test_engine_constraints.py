@@ -141,3 +141,25 @@ def test_a_constraint_that_does_not_compile_is_invalid_argument_naming_it(engine
     assert "sampling.constraint" in err.value.details() and reason in err.value.details()
     metadata = dict(err.value.trailing_metadata() or ())
     assert metadata.get("kvd-field") == "sampling.constraint"
+
+
+def test_the_engine_keeps_one_openmp_pool(shared_stack, engine):
+    """Every parallel op of the process runs on the engine loop's OpenMP pool:
+    a second pool (the model loaded on another lasting thread, a constraint
+    compiled on an RPC thread) cuts every worker's spin short, and each
+    forward's workers then sleep hundreds of times (inference/openmp.py)."""
+    import torch
+
+    from tests.openmp_pools import settled_idle_workers
+
+    if torch.get_num_threads() < 2:
+        pytest.skip("one OpenMP thread: no pool to count")
+    prompt = list(range(1000, 1300))  # long enough for parallel ops in the prefill
+    run_all(engine, [
+        pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt),
+                           sampling=pb.SamplingParams(max_new_tokens=8, logprobs=True, top_logprobs=5,
+                                                      prompt_logprobs=True)),
+        chat(QUESTIONS[0], 30, pb.Constraint(json_schema=json.dumps(PERSON))),
+        chat(QUESTIONS[1], 8, pb.Constraint(regex="[a-z]+")),
+    ])  # fmt: skip
+    assert settled_idle_workers(shared_stack.process.pid) == torch.get_num_threads() - 1
