@@ -357,7 +357,11 @@ def test_the_openai_api_and_grpc_take_the_same_marks_and_report_the_same_split(s
 
 def test_a_1h_mark_outlives_an_engine_restart_and_with_disk_a_daemon_sigkill(model_dir, tokenizer):
     folder = tempfile.mkdtemp(prefix="kvd-msg1h-", dir="/tmp")
-    disk = ["--host-num-blocks", "64", "--disk-path", f"{folder}/disk", "--disk-budget", "1GiB"]
+    # NOTE: the disk writer's backlog is half the host tier (kvd/disk_tier.py) and a block
+    # offered while it is full is never written: 128 slots queue all of the mark's 33 blocks
+    # however fast the engine's two prefill steps come (with 64 the second one's block was
+    # skipped whenever it came before the writer had finished the first's 32).
+    disk = ["--host-num-blocks", "128", "--disk-path", f"{folder}/disk", "--disk-budget", "1GiB"]
     daemon_args = ["--block-size", str(BLOCK), "--num-blocks", "256", "--lease-s", "2", *disk]
     with http_stack(model_dir, daemon_args, gateway_args=["--cache-ttl-5m-s", "1"], folder=folder) as s:
         client = anthropic.Anthropic(base_url=base_url(s), api_key="unused", max_retries=2, timeout=300)
