@@ -29,8 +29,8 @@ forward then slept ~300 times a forward, which took 50 ms against 35
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "20000"}
@@ -45,20 +45,9 @@ def set_defaults() -> None:
 
 
 def in_passing_thread(work: Callable[[], T], name: str = "engine-load") -> T:
-    """``work()`` on a thread that exits when it returns, which takes the
-    OpenMP pool that work made with it; its result, or its exception raised here."""
-    outcome: list = []
-
-    def run() -> None:
-        try:
-            outcome.append((True, work()))
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
-            outcome.append((False, exc))
-
-    thread = threading.Thread(target=run, name=name)
-    thread.start()
-    thread.join()
-    ok, value = outcome[0]
-    if not ok:
-        raise value
-    return value
+    """``work()`` on a thread that has exited by the time this returns, taking
+    the OpenMP pool that work made with it; its result, or its exception raised here."""
+    # NOTE: leaving the executor joins its one thread (shutdown(wait=True))
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix=name) as executor:
+        outcome = executor.submit(work)
+    return outcome.result()
