@@ -291,15 +291,27 @@ void kvd_small_linear_f32(const float *x, const float *panels, const float *bias
  * over K/V rows gathered in position order. One task per (KV head, tile of
  * QT query tokens): the tile's rows are its tokens' query heads of that KV
  * head, all reading the same keys. Keys go by in tiles of KT; each tile is
- * two small matrix products kept in registers (the rows' scores against the
- * keys, transposed once per tile so a vector holds KT / 4 keys' scores; then
- * the weighted values), between them a running softmax per row, as in
- * flash attention. torch's fused CPU kernel reached ~90 GFLOP/s on these
- * shapes (SmolLM2, 512-token chunks) where its linear layers ran at ~450.
+ * two small matrix products kept in registers, between them a running
+ * softmax per row, as in flash attention.
+ *
+ * The rows lie across a vector's lanes: the queries are transposed once per
+ * task ([d][rows]), so the scores come out transposed too ([key][rows]), one
+ * key's element broadcast against PANEL rows at a time, and the keys are
+ * read where they lie. The running softmax is then lane-wise (each lane a
+ * row): its maxima, masks, rescaling and sums take no horizontal step and
+ * no scalar exponential. Transposing each tile of keys instead (rows as
+ * scalars, keys across the lanes) cost a horizontal maximum and a masked
+ * fix-up per row and tile, and the transposes themselves; together more
+ * than the products (docs/benchmarks.md). torch's fused CPU kernel reached
+ * ~90 GFLOP/s on these shapes (SmolLM2, 512-token chunks) where its linear
+ * layers ran at ~450.
  */
-#define KT (4 * PANEL) /* keys per tile: four vectors of scores */
-#define QT 16          /* query tokens per task */
-#define RB (PANEL == 16 ? 4 : 2) /* rows per register block: 4 x 4 accumulators fill AVX2's 16 registers */
+#define KT 64 /* keys per tile */
+#define QT 16 /* query tokens per task */
+#define KB 4  /* keys per register block of scores */
+#define VB (PANEL == 16 ? 3 : 2) /* vectors of rows per register block: KB x VB accumulators */
+#define RB (PANEL == 16 ? 4 : 2) /* rows per register block of the weighted values (4 x d / PANEL accumulators) */
+
 static inline fp larger(fp a, fp b) {
     const ip more = a > b;
     return (fp)(((ip)a & more) | ((ip)b & ~more));
@@ -316,26 +328,33 @@ typedef struct {
     float scale;
 } Chunk;
 
-/* scores[r][0..KT) = rows[r] . keys, for RB rows; keys_t: [d][KT], rows: [RB][d]. */
-static inline void score_block(const float *rows, int64_t d, const float *keys_t, float *scores) {
-    fp a[RB][4];
-    for (int r = 0; r < RB; r++)
-        for (int c = 0; c < 4; c++) a[r][c] = (fp){0};
-    for (int64_t i = 0; i < d; i++) {
-        const fp *kv = (const fp *)(keys_t + i * KT);
-        const fp k0 = kv[0], k1 = kv[1], k2 = kv[2], k3 = kv[3];
-        for (int r = 0; r < RB; r++) {
-            const float x = rows[r * d + i];
-            a[r][0] += x * k0, a[r][1] += x * k1, a[r][2] += x * k2, a[r][3] += x * k3;
+/* scores[j][v * PANEL ..] = keys[j] . rows of vectors [v0, v0 + nv), for keys j < nk (nk <= KB, nv <= VB);
+ * queries_t: [d][width] (rows across), keys: row j at keys + j * stride. */
+static inline void score_block(const float *queries_t, int64_t width, int64_t d, const float *keys, int64_t stride,
+                               int nk, int nv, float *scores) {
+    fp a[KB][VB];
+    for (int j = 0; j < KB; j++)
+        for (int v = 0; v < VB; v++) a[j][v] = (fp){0};
+    if (nk == KB && nv == VB) { /* the common case, unrolled in full */
+        for (int64_t i = 0; i < d; i++) {
+            const fp *qv = (const fp *)(queries_t + i * width);
+            for (int v = 0; v < VB; v++)
+                for (int j = 0; j < KB; j++) a[j][v] += keys[j * stride + i] * qv[v];
+        }
+    } else {
+        for (int64_t i = 0; i < d; i++) {
+            const fp *qv = (const fp *)(queries_t + i * width);
+            for (int v = 0; v < nv; v++)
+                for (int j = 0; j < nk; j++) a[j][v] += keys[j * stride + i] * qv[v];
         }
     }
-    for (int r = 0; r < RB; r++)
-        for (int c = 0; c < 4; c++) *(fp *)(scores + r * KT + c * PANEL) = a[r][c];
+    for (int j = 0; j < nk; j++)
+        for (int v = 0; v < nv; v++) *(fp *)(scores + j * width + v * PANEL) = a[j][v];
 }
 
-/* acc[r][0..d) += sum over c < n of weights[r][c] * values[c], for RB rows; values c rows `stride` apart. */
-static inline void add_block(float *acc, int64_t d, const float *weights, const float *values, int64_t stride,
-                             int64_t n) {
+/* acc[r][0..d) += sum over j < n of weights[j * width + r] * values[j], for RB rows; values j rows `stride` apart. */
+static inline void add_block(float *acc, int64_t d, const float *weights, int64_t width, const float *values,
+                             int64_t stride, int64_t n) {
     for (int64_t at = 0; at < d; at += 4 * PANEL) {
         fp o[RB][4];
         for (int r = 0; r < RB; r++)
@@ -344,7 +363,7 @@ static inline void add_block(float *acc, int64_t d, const float *weights, const 
             const fp *vv = (const fp *)(values + j * stride + at);
             const fp v0 = vv[0], v1 = vv[1], v2 = vv[2], v3 = vv[3];
             for (int r = 0; r < RB; r++) {
-                const float w = weights[r * KT + j];
+                const float w = weights[j * width + r];
                 o[r][0] += w * v0, o[r][1] += w * v1, o[r][2] += w * v2, o[r][3] += w * v3;
             }
         }
@@ -353,72 +372,87 @@ static inline void add_block(float *acc, int64_t d, const float *weights, const 
     }
 }
 
+/* The scores of n keys ([key][width]) folded into the running softmax of the
+ * rows, lane-wise: vector v's lanes are rows v * PANEL.., at positions `pos`
+ * (-1: a padding row, which sees nothing); key j (position j0 + j) is seen
+ * by the rows at or past it. The scores become their weights under each
+ * row's (possibly raised) maximum `top`; `mass` gains their sums; what a row
+ * summed under an older maximum (mass, and its d values in acc) shrinks. */
+static void softmax_tile(float *scores, int64_t width, int64_t n, int64_t j0, const ip *pos, fp *top, fp *mass,
+                         float *acc, int64_t d) {
+    const fp none = (fp){0} - INFINITY;
+    for (int64_t v = 0; v < width / PANEL; v++) {
+        fp most = none;
+        for (int64_t j = 0; j < n; j++) {
+            const ip seen = pos[v] >= (ip){0} + (int32_t)(j0 + j); /* all ones where seen */
+            fp *s = (fp *)(scores + j * width + v * PANEL);
+            *s = (fp)(((ip)*s & seen) | ((ip)none & ~seen));
+            most = larger(most, *s);
+        }
+        const fp raised = larger(top[v], most);
+        const ip any = raised > none; /* rows that have seen a key by now */
+        /* where a row has seen nothing yet, nothing is subtracted: its scores are all -inf, weights 0 */
+        const fp base = (fp)((ip)raised & any);
+        const fp shrink = (fp)(((ip)expv(top[v] - base) & any) | ((ip)((fp){0} + 1.0f) & ~any));
+        top[v] = raised;
+        fp sum = {0};
+        for (int64_t j = 0; j < n; j++) {
+            fp *s = (fp *)(scores + j * width + v * PANEL);
+            const ip seen = *s > none;
+            *s = (fp)((ip)expv(*s - base) & seen); /* expv leaves ~2^-126 below -87, not 0 */
+            sum += *s;
+        }
+        mass[v] = mass[v] * shrink + sum;
+        for (int l = 0; l < PANEL; l++)
+            if (shrink[l] != 1.0f) {
+                float *row = acc + (v * PANEL + l) * d;
+                for (int64_t i = 0; i < d; i++) row[i] *= shrink[l];
+            }
+    }
+}
+
 /* One task: KV head `g`, query tokens [t0, t1); `work`: room for its buffers (prefill_work floats). */
 static void prefill_task(const Chunk *p, int64_t g, int64_t t0, int64_t t1, float *work) {
     const int64_t group = p->heads / p->kv_heads, d = p->d, rows = (t1 - t0) * group;
-    const int64_t padded = (rows + RB - 1) / RB * RB, first_pos = p->k_len - p->q_len;
-    float *queries = work, *keys_t = queries + padded * d, *scores = keys_t + d * KT;
-    float *acc = scores + padded * KT, *top = acc + padded * d, *mass = top + padded;
-    for (int64_t r = 0; r < padded; r++) {
+    const int64_t width = (rows + PANEL - 1) / PANEL * PANEL, vectors = width / PANEL;
+    const int64_t first_pos = p->k_len - p->q_len;
+    float *queries_t = work, *scores = queries_t + d * width, *acc = scores + KT * width;
+    fp *top = (fp *)(acc + width * d), *mass = top + vectors;
+    ip *pos = (ip *)(mass + vectors);
+    for (int64_t r = 0; r < width; r++) {
         const float *q = p->q + (g * group + r % group) * p->q_head_stride + (t0 + r / group) * p->q_token_stride;
         for (int64_t i = 0; i < d; i++) {
-            queries[r * d + i] = r < rows ? q[i] * p->scale : 0.0f;
+            queries_t[i * width + r] = r < rows ? q[i] * p->scale : 0.0f;
             acc[r * d + i] = 0.0f;
         }
-        top[r] = -INFINITY, mass[r] = 0.0f;
+        pos[r / PANEL][r % PANEL] = r < rows ? (int32_t)(first_pos + t0 + r / group) : -1;
     }
+    for (int64_t v = 0; v < vectors; v++) top[v] = (fp){0} - INFINITY, mass[v] = (fp){0};
     const int64_t last_pos = first_pos + t1 - 1;
     for (int64_t j0 = 0; j0 <= last_pos; j0 += KT) {
         const int64_t n = last_pos + 1 - j0 < KT ? last_pos + 1 - j0 : KT;
         const float *keys = p->k + j0 * p->kv_token_stride + g * d;
-        for (int64_t c = 0; c < KT; c++)
-            for (int64_t i = 0; i < d; i++) keys_t[i * KT + c] = c < n ? keys[c * p->kv_token_stride + i] : 0.0f;
-        for (int64_t r = 0; r < padded; r += RB) score_block(queries + r * d, d, keys_t, scores + r * KT);
-        for (int64_t r = 0; r < padded; r++) {
-            float *s = scores + r * KT;
-            const int64_t sees = r < rows ? first_pos + t0 + r / group - j0 + 1 : 0; /* keys of this tile it sees */
-            const int64_t limit = sees < n ? sees : n;
-            if (limit <= 0) {
-                for (int64_t c = 0; c < KT; c++) s[c] = 0.0f;
-                continue;
-            }
-            for (int64_t c = limit; c < KT; c++) s[c] = -INFINITY; /* keys past its own position, or past n */
-            fp most = *(fp *)s;
-            for (int64_t c = PANEL; c < KT; c += PANEL) most = larger(most, *(fp *)(s + c));
-            float tile_top = most[0];
-            for (int64_t l = 1; l < PANEL; l++) tile_top = most[l] > tile_top ? most[l] : tile_top;
-            if (tile_top > top[r]) { /* rescale what was summed under the old maximum */
-                const float shrink = expf(top[r] - tile_top);
-                mass[r] *= shrink;
-                for (int64_t i = 0; i < d; i++) acc[r * d + i] *= shrink;
-                top[r] = tile_top;
-            }
-            fp sum = {0};
-            for (int64_t c = 0; c < KT; c += PANEL) {
-                fp w = expv(*(fp *)(s + c) - top[r]);
-                *(fp *)(s + c) = w;
-                sum += w;
-            }
-            for (int64_t c = limit; c < KT; c++) { /* expv leaves ~2^-126 there, not 0 */
-                sum[c % PANEL] -= s[c];
-                s[c] = 0.0f;
-            }
-            mass[r] += lane_sum(sum);
-        }
+        for (int64_t j = 0; j < n; j += KB)
+            for (int64_t v = 0; v < vectors; v += VB)
+                score_block(queries_t + v * PANEL, width, d, keys + j * p->kv_token_stride, p->kv_token_stride,
+                            n - j < KB ? n - j : KB, vectors - v < VB ? vectors - v : VB,
+                            scores + j * width + v * PANEL);
+        softmax_tile(scores, width, n, j0, pos, top, mass, acc, d);
         const float *values = p->v + j0 * p->kv_token_stride + g * d;
-        for (int64_t r = 0; r < padded; r += RB) add_block(acc + r * d, d, scores + r * KT, values, p->kv_token_stride, n);
+        for (int64_t r = 0; r < width; r += RB)
+            add_block(acc + r * d, d, scores + r, width, values, p->kv_token_stride, n);
     }
     for (int64_t r = 0; r < rows; r++) {
         float *o = p->out + (t0 + r / group) * p->out_token_stride + (g * group + r % group) * d;
-        const float inv = 1.0f / mass[r];
+        const float inv = 1.0f / mass[r / PANEL][r % PANEL];
         for (int64_t i = 0; i < d; i++) o[i] = acc[r * d + i] * inv;
     }
 }
 
 /* The floats prefill_task needs for QT tokens. */
 static int64_t prefill_work(int64_t group, int64_t d) {
-    const int64_t padded = (QT * group + RB - 1) / RB * RB;
-    return padded * d + d * KT + padded * KT + padded * d + 2 * padded;
+    const int64_t width = (QT * group + PANEL - 1) / PANEL * PANEL;
+    return d * width + KT * width + width * d + 3 * width;
 }
 
 /* Returns 0, or -1 when the shapes are not the kernel's (head_dim a multiple of 4 * PANEL: kvd_prefill_multiple). */
