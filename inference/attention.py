@@ -142,13 +142,15 @@ _cpu_attention_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for
 def _attend_decodes_fused(
     q: torch.Tensor, layer_k: torch.Tensor, layer_v: torch.Tensor, batch: DecodeBatch, scale: float
 ) -> torch.Tensor:
-    """:func:`_attend_decodes` in two parts merged by their log-sum-exps: the
-    B queries against the shared prefix by torch's fused CPU kernel (read
-    once, the queries of each KV head its rows), and each query against its
-    own positions by the C kernel that reads them in place
-    (``inference.kernels.cpu``: float32, when it could be built) or
-    else by torch's kernel over the gathered blocks (its KV head's queries
-    the rows of one small problem each).
+    """:func:`_attend_decodes` over the shared prefix, then each query's own
+    positions. With the C kernels (``inference.kernels.cpu``: float32, when
+    they could be built) both read the blocks where they lie: the prefix for
+    all B queries at once (the queries of each KV head its rows), then each
+    query's own blocks carrying on from the prefix's softmax state. Else two
+    parts merged by their log-sum-exps: the prefix by torch's fused CPU
+    kernel, the own positions by the C decode kernel (when the prefix kernel
+    does not take the head dim) or by torch's kernel over the gathered blocks
+    (its KV head's queries the rows of one small problem each).
 
     NOTE: the kernel reads K/V through strides, so the gathered blocks are
     never regrouped by head; the grouped queries need no repeated K/V. It
@@ -160,9 +162,16 @@ def _attend_decodes_fused(
     group, n = heads // kv_heads, batch.rows.shape[0]
     queries = q.index_select(1, batch.rows)  # [heads, B, d]; head h reads KV head h // group
     if cpu.fits(q, layer_k):
+        by_seq = queries.transpose(0, 1).contiguous()
+        prefix = None
+        if batch.prefix_blocks.numel() and cpu.prefix_fits(q, layer_k):
+            # the shared prefix's softmax state, which the own blocks' kernel carries on from: nothing to merge
+            prefix = cpu.prefix_decode(by_seq, layer_k, layer_v, batch.prefix_blocks, scale)
         out, lse = cpu.paged_decode(
-            queries.transpose(0, 1), layer_k, layer_v, batch.own_blocks, batch.own_lens, scale
+            by_seq, layer_k, layer_v, batch.own_blocks, batch.own_lens, scale, prefix
         )  # [B, heads, d], [B, heads]: the blocks read where they lie
+        if prefix is not None:
+            return out
         out, lse = out.view(n, kv_heads, group, head_dim), lse.view(n, kv_heads, group)
     else:
         own_k, own_v = batch.gather_own(layer_k, layer_v)  # [B, S, kv_heads, d]

@@ -187,21 +187,25 @@ static void fold_block(const Layer *p, int64_t seq, int64_t id, int64_t rows) {
 
 /* Returns 0, or -1 when the shapes are not the kernel's. On return `top`
  * holds each head's log-sum-exp of its scores (for merging with another
- * part of the context). */
+ * part of the context). With `resume`, out, top and mass come in holding the
+ * running state of the positions before each sequence's blocks (a shared
+ * prefix: kvd_prefix_decode_f32), and the softmax carries on from it. */
 int kvd_paged_decode_f32(const float *q, float *out, float *top, float *mass, const float *k, const float *v,
                          int64_t block_stride, int64_t token_stride, const int64_t *blocks, int64_t width,
                          const int64_t *lens, int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                         int64_t block_size, float scale) {
+                         int64_t block_size, float scale, int resume) {
     if (kv_heads <= 0 || heads % kv_heads || head_dim % 8) return -1;
     const Layer p = {q, out, top, mass, k, v, block_stride, token_stride, heads, kv_heads, head_dim, block_size, scale};
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t seq = 0; seq < batch; seq++) {
         const int64_t *table = blocks + seq * width, len = lens[seq];
-        for (int64_t i = seq * heads; i < (seq + 1) * heads; i++) {
-            top[i] = -INFINITY;
-            mass[i] = 0.0f;
+        if (!resume) { /* else out, top and mass hold a prefix's running state (kvd_prefix_decode_f32) */
+            for (int64_t i = seq * heads; i < (seq + 1) * heads; i++) {
+                top[i] = -INFINITY;
+                mass[i] = 0.0f;
+            }
+            for (int64_t i = seq * heads * head_dim; i < (seq + 1) * heads * head_dim; i++) out[i] = 0.0f;
         }
-        for (int64_t i = seq * heads * head_dim; i < (seq + 1) * heads * head_dim; i++) out[i] = 0.0f;
         for (int64_t b = 0; b * block_size < len; b++) {
             if ((b + 1) * block_size < len) prefetch_block(&p, table[b + 1]);
             const int64_t rows = len - b * block_size < block_size ? len - b * block_size : block_size;
@@ -320,47 +324,66 @@ static inline fp larger(fp a, fp b) {
 typedef struct {
     const float *q;                   /* q[h * q_head_stride + t * q_token_stride + i] */
     int64_t q_head_stride, q_token_stride;
-    const float *k, *v;               /* k[j * kv_token_stride + kv head * d + i] */
+    /* key j of KV head g at k[offset(j) + g * d]: offset(j) = j * kv_token_stride, or with a block
+     * table blocks[j / block_size] * block_stride + (j % block_size) * kv_token_stride */
+    const float *k, *v;
     int64_t kv_token_stride;
+    const int64_t *blocks; /* NULL: the keys lie in position order */
+    int64_t block_size, block_stride;
     float *out;                       /* out[t * out_token_stride + h * d + i] */
     int64_t out_token_stride;
     int64_t q_len, k_len, heads, kv_heads, d;
     float scale;
+    int causal;         /* 0: every query sees every key */
+    int64_t task_rows;  /* rows (query heads of one KV head) per task, a multiple of PANEL or all of them */
+    float *top, *mass;  /* non-NULL: out gets the unnormalized running state ([t * heads + h]) */
 } Chunk;
 
-/* scores[j][v * PANEL ..] = keys[j] . rows of vectors [v0, v0 + nv), for keys j < nk (nk <= KB, nv <= VB);
- * queries_t: [d][width] (rows across), keys: row j at keys + j * stride. */
-static inline void score_block(const float *queries_t, int64_t width, int64_t d, const float *keys, int64_t stride,
-                               int nk, int nv, float *scores) {
+/* The offsets of keys [j0, j0 + n) from a KV head's first element. */
+static void key_offsets(const Chunk *p, int64_t j0, int64_t n, int64_t *offsets) {
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t at = j0 + j;
+        offsets[j] = p->blocks ? p->blocks[at / p->block_size] * p->block_stride + (at % p->block_size) * p->kv_token_stride
+                               : at * p->kv_token_stride;
+    }
+}
+
+/* scores[j][v * PANEL ..] = key j . rows of vectors [v0, v0 + nv), for keys j < nk (nk <= KB, nv <= VB);
+ * queries_t: [d][width] (rows across), key j at keys + offsets[j]. */
+static inline void score_block(const float *queries_t, int64_t width, int64_t d, const float *keys,
+                               const int64_t *offsets, int nk, int nv, float *scores) {
     fp a[KB][VB];
-    for (int j = 0; j < KB; j++)
+    const float *key[KB];
+    for (int j = 0; j < KB; j++) {
+        key[j] = keys + offsets[j < nk ? j : 0];
         for (int v = 0; v < VB; v++) a[j][v] = (fp){0};
+    }
     if (nk == KB && nv == VB) { /* the common case, unrolled in full */
         for (int64_t i = 0; i < d; i++) {
             const fp *qv = (const fp *)(queries_t + i * width);
             for (int v = 0; v < VB; v++)
-                for (int j = 0; j < KB; j++) a[j][v] += keys[j * stride + i] * qv[v];
+                for (int j = 0; j < KB; j++) a[j][v] += key[j][i] * qv[v];
         }
     } else {
         for (int64_t i = 0; i < d; i++) {
             const fp *qv = (const fp *)(queries_t + i * width);
             for (int v = 0; v < nv; v++)
-                for (int j = 0; j < nk; j++) a[j][v] += keys[j * stride + i] * qv[v];
+                for (int j = 0; j < nk; j++) a[j][v] += key[j][i] * qv[v];
         }
     }
     for (int j = 0; j < nk; j++)
         for (int v = 0; v < nv; v++) *(fp *)(scores + j * width + v * PANEL) = a[j][v];
 }
 
-/* acc[r][0..d) += sum over j < n of weights[j * width + r] * values[j], for RB rows; values j rows `stride` apart. */
+/* acc[r][0..d) += sum over j < n of weights[j * width + r] * value j, for RB rows; value j at values + offsets[j]. */
 static inline void add_block(float *acc, int64_t d, const float *weights, int64_t width, const float *values,
-                             int64_t stride, int64_t n) {
+                             const int64_t *offsets, int64_t n) {
     for (int64_t at = 0; at < d; at += 4 * PANEL) {
         fp o[RB][4];
         for (int r = 0; r < RB; r++)
             for (int c = 0; c < 4; c++) o[r][c] = *(const fp *)(acc + r * d + at + c * PANEL);
         for (int64_t j = 0; j < n; j++) {
-            const fp *vv = (const fp *)(values + j * stride + at);
+            const fp *vv = (const fp *)(values + offsets[j] + at);
             const fp v0 = vv[0], v1 = vv[1], v2 = vv[2], v3 = vv[3];
             for (int r = 0; r < RB; r++) {
                 const float w = weights[j * width + r];
@@ -411,59 +434,58 @@ static void softmax_tile(float *scores, int64_t width, int64_t n, int64_t j0, co
     }
 }
 
-/* One task: KV head `g`, query tokens [t0, t1); `work`: room for its buffers (prefill_work floats). */
-static void prefill_task(const Chunk *p, int64_t g, int64_t t0, int64_t t1, float *work) {
-    const int64_t group = p->heads / p->kv_heads, d = p->d, rows = (t1 - t0) * group;
+/* One task: KV head `g`, its rows [r0, r1) (row r: query token r / group, that token's
+ * query head g * group + r % group); `work`: room for its buffers (prefill_work floats). */
+static void prefill_task(const Chunk *p, int64_t g, int64_t r0, int64_t r1, float *work) {
+    const int64_t group = p->heads / p->kv_heads, d = p->d, rows = r1 - r0;
     const int64_t width = (rows + PANEL - 1) / PANEL * PANEL, vectors = width / PANEL;
     const int64_t first_pos = p->k_len - p->q_len;
     float *queries_t = work, *scores = queries_t + d * width, *acc = scores + KT * width;
     fp *top = (fp *)(acc + width * d), *mass = top + vectors;
     ip *pos = (ip *)(mass + vectors);
+    int64_t *offsets = (int64_t *)(pos + vectors);
     for (int64_t r = 0; r < width; r++) {
-        const float *q = p->q + (g * group + r % group) * p->q_head_stride + (t0 + r / group) * p->q_token_stride;
+        const int64_t t = (r0 + r) / group, h = g * group + (r0 + r) % group;
+        const float *q = p->q + h * p->q_head_stride + t * p->q_token_stride;
         for (int64_t i = 0; i < d; i++) {
             queries_t[i * width + r] = r < rows ? q[i] * p->scale : 0.0f;
             acc[r * d + i] = 0.0f;
         }
-        pos[r / PANEL][r % PANEL] = r < rows ? (int32_t)(first_pos + t0 + r / group) : -1;
+        pos[r / PANEL][r % PANEL] = r >= rows ? -1 : p->causal ? (int32_t)(first_pos + t) : INT32_MAX;
     }
     for (int64_t v = 0; v < vectors; v++) top[v] = (fp){0} - INFINITY, mass[v] = (fp){0};
-    const int64_t last_pos = first_pos + t1 - 1;
+    const int64_t last_pos = p->causal ? first_pos + (r1 - 1) / group : p->k_len - 1;
     for (int64_t j0 = 0; j0 <= last_pos; j0 += KT) {
         const int64_t n = last_pos + 1 - j0 < KT ? last_pos + 1 - j0 : KT;
-        const float *keys = p->k + j0 * p->kv_token_stride + g * d;
+        key_offsets(p, j0, n, offsets);
+        const float *keys = p->k + g * d, *values = p->v + g * d;
         for (int64_t j = 0; j < n; j += KB)
             for (int64_t v = 0; v < vectors; v += VB)
-                score_block(queries_t + v * PANEL, width, d, keys + j * p->kv_token_stride, p->kv_token_stride,
-                            n - j < KB ? n - j : KB, vectors - v < VB ? vectors - v : VB,
-                            scores + j * width + v * PANEL);
+                score_block(queries_t + v * PANEL, width, d, keys, offsets + j, n - j < KB ? n - j : KB,
+                            vectors - v < VB ? vectors - v : VB, scores + j * width + v * PANEL);
         softmax_tile(scores, width, n, j0, pos, top, mass, acc, d);
-        const float *values = p->v + j0 * p->kv_token_stride + g * d;
-        for (int64_t r = 0; r < width; r += RB)
-            add_block(acc + r * d, d, scores + r, width, values, p->kv_token_stride, n);
+        for (int64_t r = 0; r < width; r += RB) add_block(acc + r * d, d, scores + r, width, values, offsets, n);
     }
     for (int64_t r = 0; r < rows; r++) {
-        float *o = p->out + (t0 + r / group) * p->out_token_stride + (g * group + r % group) * d;
-        const float inv = 1.0f / mass[r / PANEL][r % PANEL];
+        const int64_t t = (r0 + r) / group, h = g * group + (r0 + r) % group;
+        float *o = p->out + t * p->out_token_stride + h * d;
+        const float total = mass[r / PANEL][r % PANEL], inv = p->top ? 1.0f : 1.0f / total;
         for (int64_t i = 0; i < d; i++) o[i] = acc[r * d + i] * inv;
+        if (p->top) p->top[t * p->heads + h] = top[r / PANEL][r % PANEL], p->mass[t * p->heads + h] = total;
     }
 }
 
-/* The floats prefill_task needs for QT tokens. */
-static int64_t prefill_work(int64_t group, int64_t d) {
-    const int64_t width = (QT * group + PANEL - 1) / PANEL * PANEL;
-    return d * width + KT * width + width * d + 3 * width;
+/* The floats prefill_task needs for `task_rows` rows (the offsets' int64s counted as two). */
+static int64_t prefill_work(int64_t task_rows, int64_t d) {
+    const int64_t width = (task_rows + PANEL - 1) / PANEL * PANEL;
+    return d * width + KT * width + width * d + 3 * width + 2 * KT;
 }
 
-/* Returns 0, or -1 when the shapes are not the kernel's (head_dim a multiple of 4 * PANEL: kvd_prefill_multiple). */
-int kvd_prefill_f32(const float *q, int64_t q_head_stride, int64_t q_token_stride, const float *k, const float *v,
-                    int64_t kv_token_stride, float *out, int64_t out_token_stride, int64_t q_len, int64_t k_len,
-                    int64_t heads, int64_t kv_heads, int64_t head_dim, float scale) {
-    if (kv_heads <= 0 || heads % kv_heads || head_dim % (4 * PANEL) || q_len > k_len) return -1;
-    const Chunk p = {q, q_head_stride, q_token_stride, k, v, kv_token_stride, out, out_token_stride,
-                     q_len, k_len, heads, kv_heads, head_dim, scale};
-    const int64_t tiles = (q_len + QT - 1) / QT, tasks = tiles * kv_heads;
-    const int64_t floats = (prefill_work(heads / kv_heads, head_dim) + 15) / 16 * 16;
+/* Runs every task of `p` on the OpenMP threads: 0, or -2 when out of memory. */
+static int prefill_tasks(const Chunk *p) {
+    const int64_t rows = p->q_len * (p->heads / p->kv_heads);
+    const int64_t tiles = (rows + p->task_rows - 1) / p->task_rows, tasks = tiles * p->kv_heads;
+    const int64_t floats = (prefill_work(p->task_rows, p->d) + 15) / 16 * 16;
     int failed = 0;
 #pragma omp parallel
     {
@@ -474,13 +496,45 @@ int kvd_prefill_f32(const float *q, int64_t q_head_stride, int64_t q_token_strid
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
-            const int64_t tile = tiles - 1 - task / kv_heads; /* the longest rows first */
-            const int64_t t0 = tile * QT, t1 = t0 + QT < q_len ? t0 + QT : q_len;
-            if (work) prefill_task(&p, task % kv_heads, t0, t1, work);
+            const int64_t tile = tiles - 1 - task / p->kv_heads; /* the longest rows first */
+            const int64_t r0 = tile * p->task_rows, r1 = r0 + p->task_rows < rows ? r0 + p->task_rows : rows;
+            if (work) prefill_task(p, task % p->kv_heads, r0, r1, work);
         }
         free(work);
     }
     return failed ? -2 : 0;
+}
+
+/* Returns 0, or -1 when the shapes are not the kernel's (head_dim a multiple of 4 * PANEL: kvd_prefill_multiple). */
+int kvd_prefill_f32(const float *q, int64_t q_head_stride, int64_t q_token_stride, const float *k, const float *v,
+                    int64_t kv_token_stride, float *out, int64_t out_token_stride, int64_t q_len, int64_t k_len,
+                    int64_t heads, int64_t kv_heads, int64_t head_dim, float scale) {
+    if (kv_heads <= 0 || heads % kv_heads || head_dim % (4 * PANEL) || q_len > k_len) return -1;
+    const Chunk p = {q, q_head_stride, q_token_stride, k, v, kv_token_stride, NULL, 1, 0, out, out_token_stride,
+                     q_len, k_len, heads, kv_heads, head_dim, scale, 1, QT * (heads / kv_heads), NULL, NULL};
+    return prefill_tasks(&p);
+}
+
+/* A batch of decodes' queries q [batch, heads, head_dim] over the same prefix of
+ * `num_blocks` whole blocks, read where they lie: the running state each head's
+ * softmax has after it (out: the unnormalized weighted sums; top, mass: [batch,
+ * heads]), which kvd_paged_decode_f32 then carries on over each one's own blocks.
+ * Its rows are a KV head's queries of all the batch, in tasks of a few vectors.
+ * Returns 0, -1 for shapes it does not take, -2 when out of memory. */
+int kvd_prefix_decode_f32(const float *q, float *out, float *top, float *mass, const float *k, const float *v,
+                          int64_t block_stride, int64_t token_stride, const int64_t *blocks, int64_t num_blocks,
+                          int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                          int64_t threads, float scale) {
+    if (kv_heads <= 0 || heads % kv_heads || head_dim % (4 * PANEL) || block_size <= 0) return -1;
+    /* enough tasks to share among the threads (a few each), each of whole vectors of rows */
+    const int64_t rows = batch * (heads / kv_heads), per_head = (4 * threads + kv_heads - 1) / kv_heads;
+    int64_t task_rows = (rows + per_head - 1) / per_head;
+    task_rows = (task_rows + PANEL - 1) / PANEL * PANEL;
+    if (task_rows > VB * PANEL * 2) task_rows = VB * PANEL * 2;
+    const Chunk p = {q, head_dim, heads * head_dim, k, v, token_stride, blocks, block_size, block_stride,
+                     out, heads * head_dim, batch, num_blocks * block_size, heads, kv_heads, head_dim, scale,
+                     0, task_rows, top, mass};
+    return prefill_tasks(&p);
 }
 
 /* Head dims kvd_prefill_f32 takes are multiples of this. */

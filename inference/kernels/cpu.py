@@ -106,7 +106,10 @@ def load() -> ctypes.CDLL | None:
         return None
     fn = library.kvd_paged_decode_f32
     fn.restype = ctypes.c_int
-    fn.argtypes = [*[_F32P] * 6, _I64, _I64, _I64P, _I64, _I64P, *[_I64] * 5, ctypes.c_float]
+    fn.argtypes = [*[_F32P] * 6, _I64, _I64, _I64P, _I64, _I64P, *[_I64] * 5, ctypes.c_float, ctypes.c_int]
+    prefix = library.kvd_prefix_decode_f32
+    prefix.restype = ctypes.c_int
+    prefix.argtypes = [*[_F32P] * 6, _I64, _I64, _I64P, *[_I64] * 7, ctypes.c_float]
     small = library.kvd_small_linear_f32
     small.restype = None
     small.argtypes = [ctypes.c_void_p] * 4 + [_I64] * 3
@@ -149,6 +152,11 @@ def _ptr(t: torch.Tensor, kind):
     return ctypes.cast(t.data_ptr(), kind)
 
 
+def _check_cache(layer_k: torch.Tensor, layer_v: torch.Tensor, head_dim: int) -> None:
+    if layer_k.stride() != layer_v.stride() or layer_k.stride(3) != 1 or layer_k.stride(2) != head_dim:
+        raise ValueError(f"unexpected cache strides {layer_k.stride()} / {layer_v.stride()}")
+
+
 def paged_decode(
     queries: torch.Tensor,
     layer_k: torch.Tensor,
@@ -156,6 +164,7 @@ def paged_decode(
     blocks: torch.Tensor,
     lens: torch.Tensor,
     scale: float,
+    prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one query per sequence over the first ``lens[i]`` positions of its blocks.
 
@@ -165,6 +174,8 @@ def paged_decode(
             (strided; the head dimension contiguous).
         blocks: ``[B, S]`` int64, each sequence's blocks (padded).
         lens: ``[B]`` int64, each sequence's positions in them.
+        prefix: :func:`prefix_decode`'s running state over the positions before
+            these blocks, which the softmax carries on from (and which is used up).
 
     Returns:
         The outputs ``[B, heads, head_dim]`` and each head's log-sum-exp of its scaled scores ``[B, heads]``.
@@ -173,22 +184,59 @@ def paged_decode(
     assert library is not None, "check fits() first"
     q = queries.contiguous()
     batch, heads, head_dim = q.shape
-    if layer_k.stride() != layer_v.stride() or layer_k.stride(3) != 1 or layer_k.stride(2) != head_dim:
-        raise ValueError(f"unexpected cache strides {layer_k.stride()} / {layer_v.stride()}")
+    _check_cache(layer_k, layer_v, head_dim)
     if blocks.dtype != torch.int64 or lens.dtype != torch.int64 or blocks.shape[0] != batch:
         raise ValueError("block ids and lengths must be int64, a row of each per sequence")
     blocks, lens = blocks.contiguous(), lens.contiguous()
-    out = torch.empty_like(q)
-    running = q.new_empty(2, batch, heads)  # each head's running maximum (then log-sum-exp) and sum of exponentials
+    # each head's running maximum (then log-sum-exp) and sum of exponentials
+    out, running = prefix if prefix is not None else (torch.empty_like(q), q.new_empty(2, batch, heads))
     code = library.kvd_paged_decode_f32(
         _ptr(q, _F32P), _ptr(out, _F32P), _ptr(running[0], _F32P), _ptr(running[1], _F32P),
         _ptr(layer_k, _F32P), _ptr(layer_v, _F32P), layer_k.stride(0), layer_k.stride(1),
         _ptr(blocks, _I64P), blocks.shape[1], _ptr(lens, _I64P),
-        batch, heads, layer_k.shape[2], head_dim, layer_k.shape[1], scale,
+        batch, heads, layer_k.shape[2], head_dim, layer_k.shape[1], scale, prefix is not None,
     )  # fmt: skip
     if code:
         raise ValueError(f"shapes the decode kernel cannot take: heads {heads}, kv heads {layer_k.shape[2]}")
     return out, running[0]
+
+
+def prefix_fits(q: torch.Tensor, layer_k: torch.Tensor) -> bool:
+    """Whether a batch's shared prefix can take ``prefix_decode`` (the prefill kernel's shapes)."""
+    return _attention_fits(q, layer_k.dtype, layer_k.shape[2], lambda library: library.prefill_multiple)
+
+
+def prefix_decode(
+    queries: torch.Tensor, layer_k: torch.Tensor, layer_v: torch.Tensor, blocks: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The running softmax state of one query per sequence over the prefix they all
+    share, its whole ``blocks`` read where they lie: the unnormalized weighted sums
+    ``[B, heads, head_dim]`` and each head's maximum and sum of exponentials
+    ``[2, B, heads]``, for :func:`paged_decode`'s ``prefix``.
+
+    Args:
+        queries: ``[B, heads, head_dim]`` float32 (made contiguous here).
+        layer_k, layer_v, scale: as :func:`paged_decode`'s.
+        blocks: ``[P]`` int64, the prefix's blocks in position order.
+    """
+    library = load()
+    assert library is not None, "check prefix_fits() first"
+    q = queries.contiguous()
+    batch, heads, head_dim = q.shape
+    _check_cache(layer_k, layer_v, head_dim)
+    if blocks.dtype != torch.int64:
+        raise ValueError("block ids must be int64")
+    blocks = blocks.contiguous()
+    out, running = torch.empty_like(q), q.new_empty(2, batch, heads)
+    code = library.kvd_prefix_decode_f32(
+        _ptr(q, _F32P), _ptr(out, _F32P), _ptr(running[0], _F32P), _ptr(running[1], _F32P),
+        _ptr(layer_k, _F32P), _ptr(layer_v, _F32P), layer_k.stride(0), layer_k.stride(1),
+        _ptr(blocks, _I64P), blocks.shape[0], batch, heads, layer_k.shape[2], head_dim, layer_k.shape[1],
+        torch.get_num_threads(), scale,
+    )  # fmt: skip
+    if code:
+        raise ValueError(f"the prefix kernel refused: heads {heads}, kv heads {layer_k.shape[2]} (code {code})")
+    return out, running
 
 
 def panel_width() -> int:

@@ -1,8 +1,10 @@
 """The engine's C kernels on the CPU (inference/kernels/cpu.c), built by the
 machine's C compiler: the decode kernel reads each sequence's blocks where
 they lie and gives what softmax attention over the gathered positions gives,
-with each head's log-sum-exp; the small-batch linear gives what torch's
-linear gives. Without a compiler the engine keeps torch's paths."""
+with each head's log-sum-exp, on its own or carrying on from the prefix
+kernel's state over a shared prefix; the prefill kernel gives causal
+attention; the small-batch linear gives what torch's linear gives. Without a
+compiler the engine keeps torch's paths."""
 
 from __future__ import annotations
 
@@ -86,6 +88,40 @@ def test_the_kernel_equals_softmax_attention_over_the_gathered_positions(each_ve
     want_out, want_lse = reference(q, layer_k, layer_v, blocks, lens, dim**-0.5)
     torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+
+
+PREFIXES = {
+    # heads, kv heads, head dim, block size, prefix blocks, each sequence's own positions
+    "SmolLM2-like, 16 decodes": (9, 3, 64, 16, 5, [1, 3, 17, 40] * 4),
+    "one decode": (9, 3, 64, 16, 2, [7]),
+    "groups of four, head dim 128, blocks of 6": (16, 4, 128, 6, 9, [1, 12, 5]),
+    "no grouping, 33 decodes": (4, 4, 64, 16, 3, list(range(1, 34))),
+}
+
+
+@pytest.mark.parametrize("sharpness", [1.0, 40.0])
+@pytest.mark.parametrize("name", PREFIXES)
+def test_the_decode_kernel_carries_on_from_the_prefix_kernel(each_vector_width, name, sharpness):
+    """A shared prefix's state (every query over its blocks, in place), then each
+    query's own blocks from it: softmax attention over prefix and own positions."""
+    heads, kv_heads, dim, block, num_prefix, lengths = PREFIXES[name]
+    gen = torch.Generator().manual_seed(4)
+    cache = torch.randn(128, 2, 2, block, kv_heads, dim, generator=gen)
+    layer_k, layer_v = cache[:, 1, 0], cache[:, 1, 1]
+    ids, lens = torch.randperm(128, generator=gen), torch.tensor(lengths)
+    prefix, width = ids[:num_prefix], -(-max(lengths) // block)
+    own = ids[num_prefix : num_prefix + len(lengths) * width].view(len(lengths), width)
+    q = torch.randn(len(lengths), heads, dim, generator=gen) * sharpness
+
+    state = cpu.prefix_decode(q, layer_k, layer_v, prefix, dim**-0.5)
+    out, lse = cpu.paged_decode(q, layer_k, layer_v, own, lens, dim**-0.5, state)
+
+    every_block = torch.cat((prefix.expand(len(lengths), -1), own), dim=1)
+    want_out, want_lse = reference(q, layer_k, layer_v, every_block, lens + num_prefix * block, dim**-0.5)
+    # scores in the tens carry float32's rounding, summed in another order than the decode kernel's (as in prefill)
+    tolerance = 1e-5 if sharpness == 1 else 5e-5
+    torch.testing.assert_close(out.double(), want_out, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=tolerance, atol=tolerance)
 
 
 def test_batched_decodes_take_the_kernel_and_agree_with_the_gathering_path(fresh_build, monkeypatch):
