@@ -9,10 +9,10 @@
  *
  * --- Decode attention ---
  *
- * One query token per sequence attends over its own blocks (a batch's
- * shared prefix is attended to apart, in one matrix product for all of its
- * queries: inference/attention.py merges the two by their log-sum-exps).
- * Each sequence is one task. A block is folded into the sequence's running
+ * One query token per sequence attends over its own blocks; a batch's
+ * shared prefix is attended to before, for all its queries at once, by the
+ * prefill kernel's tasks (kvd_prefix_decode_f32, below), and this kernel
+ * carries on from the running state that leaves. Each sequence is one task. A block is folded into the sequence's running
  * softmax (per query head: the running maximum, the sum of the
  * exponentials, the weighted sum of the values, kept in the output itself)
  * for all its heads at once, so the block's rows are read as one run while

@@ -4,8 +4,11 @@
   gathers every sequence's blocks into a contiguous buffer per layer and runs
   torch's fused attention over it: the K/V bytes are read, written and read
   again. This kernel reads them once, where they lie.
+- ``prefix_decode``: a decode batch's shared prefix, every query over its
+  blocks in place (the prefill kernel's tasks without the causal mask),
+  leaving the running softmax state ``paged_decode`` carries on from.
 - ``prefill``: a prefill chunk's causal attention, flash-attention style,
-  about twice as fast as torch's fused CPU kernel on these shapes.
+  about three times as fast as torch's fused CPU kernel on these shapes.
 - ``small_linear``: a linear layer over a few rows (a decode step's tokens),
   its weight packed into panels (``pack_panels``, as wide as the machine's
   vectors: ``panel_width``) read once per call; ``inference.cpu_linear``
