@@ -75,8 +75,9 @@ def torch_paged_attention(
     """The reference backend (CPU and GPU): decodes batched, prefill chunks one by one.
 
     On the CPU, float32 chunks of a plain layer (no soft-capping, no window
-    cutting into the context) take the C prefill kernel, the rest torch's
-    SDPA (:func:`_attend`).
+    cutting into the context) take the C prefill kernel, all in one call
+    reading their blocks in place; the rest torch's SDPA over gathered K/V
+    (:func:`_attend`).
 
     Args:
         query: ``[1, heads, tokens, head_dim]``; key, value: ``[1, kv_heads, tokens, head_dim]``.
@@ -91,15 +92,15 @@ def torch_paged_attention(
     layer = LayerAttention.of_call(q.shape[-1], scaling, kwargs)
     out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)
     looped = range(len(meta.context_lens)) if meta.looped is None else meta.looped
+    if looped and layer.softcap is None and cpu.paged_fits(q, layer_k):  # the C kernel: float32 on the CPU
+        chunks, tables, looped = meta.paged_chunks(layer.window)
+        if chunks.shape[0]:  # all in one call, the blocks read where they lie (inference.kernels.cpu)
+            cpu.prefill_chunks(q, layer_k, layer_v, chunks, tables, out, layer.scale)
     for i in looped:
         start, end, context = meta.query_start[i], meta.query_start[i + 1], meta.context_lens[i]
         k = gather_kv(layer_k, meta.block_tables[i], context)
         v = gather_kv(layer_v, meta.block_tables[i], context)
-        plain = layer.softcap is None and (layer.window is None or context <= layer.window)
-        if plain and cpu.prefill_fits(q, k):  # the C kernel: float32 on the CPU (inference.kernels.cpu)
-            cpu.prefill(q[:, start:end], k, v, out[start:end], layer.scale)
-        else:
-            out[start:end] = _attend(q[:, start:end], k, v, layer, meta.mask(i, layer.window)).transpose(0, 1)
+        out[start:end] = _attend(q[:, start:end], k, v, layer, meta.mask(i, layer.window)).transpose(0, 1)
     if meta.decode is not None:
         window_mask = meta.decode_window_mask(layer.window)
         # NOTE: index_copy_/index_select, not indexing: ~5x cheaper per call on the CPU at these sizes.
@@ -164,7 +165,7 @@ def _attend_decodes_fused(
     if cpu.fits(q, layer_k):
         by_seq = queries.transpose(0, 1).contiguous()
         prefix = None
-        if batch.prefix_blocks.numel() and cpu.prefix_fits(q, layer_k):
+        if batch.prefix_blocks.numel() and cpu.paged_fits(q, layer_k):
             # the shared prefix's softmax state, which the own blocks' kernel carries on from: nothing to merge
             prefix = cpu.prefix_decode(by_seq, layer_k, layer_v, batch.prefix_blocks, scale)
         out, lse = cpu.paged_decode(

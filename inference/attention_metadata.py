@@ -161,6 +161,7 @@ class AttentionMetadata:
     decode: DecodeBatch | None = None
     looped: list[int] | None = None
     window_masks: dict = field(default_factory=dict)
+    paged_plans: dict = field(default_factory=dict)  # paged_chunks' answers, by window
     before_write: Callable[[], None] | None = None
     timings: StepTimings | None = None
 
@@ -174,6 +175,26 @@ class AttentionMetadata:
             q_len = self.query_start[i + 1] - self.query_start[i]
             self.window_masks[key] = chunk_mask(q_len, self.context_lens[i], self.kv_cache, window)
         return self.window_masks[key]
+
+    def paged_chunks(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """The looped sequences' chunks for the C prefill kernel at a layer with
+        this window (those whose context the window does not cut into), built
+        once a step per window: ``[n, 4]`` int64 rows (first token, tokens,
+        positions, where its blocks start in the tables), their block tables
+        one after the other, and the looped sequences left to SDPA."""
+        if window not in self.paged_plans:
+            looped = range(len(self.context_lens)) if self.looped is None else self.looped
+            taken = [i for i in looped if window is None or self.context_lens[i] <= window]
+            rows, tables, at = [], [], 0
+            for i in taken:
+                start = self.query_start[i]
+                rows.append((start, self.query_start[i + 1] - start, self.context_lens[i], at))
+                tables.append(self.block_tables[i])
+                at += self.block_tables[i].shape[0]
+            chunks = torch.tensor(rows, dtype=torch.int64).view(-1, 4)
+            flat = torch.cat(tables).to(torch.int64) if tables else torch.empty(0, dtype=torch.int64)
+            self.paged_plans[window] = (chunks, flat, [i for i in looped if i not in taken])
+        return self.paged_plans[window]
 
     def decode_window_mask(self, window: int | None) -> torch.Tensor | None:
         """The batched decodes' additive mask ``[B, P + S]`` over their

@@ -481,11 +481,16 @@ static int64_t prefill_work(int64_t task_rows, int64_t d) {
     return d * width + KT * width + width * d + 3 * width + 2 * KT;
 }
 
-/* Runs every task of `p` on the OpenMP threads: 0, or -2 when out of memory. */
-static int prefill_tasks(const Chunk *p) {
-    const int64_t rows = p->q_len * (p->heads / p->kv_heads);
-    const int64_t tiles = (rows + p->task_rows - 1) / p->task_rows, tasks = tiles * p->kv_heads;
-    const int64_t floats = (prefill_work(p->task_rows, p->d) + 15) / 16 * 16;
+/* Runs every task of the n chunks on the OpenMP threads, shared among them all: 0, or
+ * -2 when out of memory. The chunks have the same heads, head dim and task_rows. */
+static int prefill_tasks(const Chunk *chunks, int64_t n) {
+    int64_t *first_task = malloc((n + 1) * sizeof(int64_t)); /* chunk c's tasks: [first_task[c], first_task[c + 1]) */
+    if (!first_task) return -2;
+    const int64_t group = chunks[0].heads / chunks[0].kv_heads, task_rows = chunks[0].task_rows;
+    first_task[0] = 0;
+    for (int64_t c = 0; c < n; c++)
+        first_task[c + 1] = first_task[c] + (chunks[c].q_len * group + task_rows - 1) / task_rows * chunks[c].kv_heads;
+    const int64_t floats = (prefill_work(task_rows, chunks[0].d) + 15) / 16 * 16;
     int failed = 0;
 #pragma omp parallel
     {
@@ -494,14 +499,19 @@ static int prefill_tasks(const Chunk *p) {
 #pragma omp atomic write
             failed = 1;
         }
+        int64_t c = 0;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < tasks; task++) {
-            const int64_t tile = tiles - 1 - task / p->kv_heads; /* the longest rows first */
-            const int64_t r0 = tile * p->task_rows, r1 = r0 + p->task_rows < rows ? r0 + p->task_rows : rows;
-            if (work) prefill_task(p, task % p->kv_heads, r0, r1, work);
+        for (int64_t task = 0; task < first_task[n]; task++) {
+            while (task >= first_task[c + 1]) c++; /* the tasks come in order within a thread */
+            const Chunk *p = chunks + c;
+            const int64_t rows = p->q_len * group, tiles = (rows + task_rows - 1) / task_rows, i = task - first_task[c];
+            const int64_t tile = tiles - 1 - i / p->kv_heads; /* the longest rows of a chunk first */
+            const int64_t r0 = tile * task_rows, r1 = r0 + task_rows < rows ? r0 + task_rows : rows;
+            if (work) prefill_task(p, i % p->kv_heads, r0, r1, work);
         }
         free(work);
     }
+    free(first_task);
     return failed ? -2 : 0;
 }
 
@@ -512,7 +522,36 @@ int kvd_prefill_f32(const float *q, int64_t q_head_stride, int64_t q_token_strid
     if (kv_heads <= 0 || heads % kv_heads || head_dim % (4 * PANEL) || q_len > k_len) return -1;
     const Chunk p = {q, q_head_stride, q_token_stride, k, v, kv_token_stride, NULL, 1, 0, out, out_token_stride,
                      q_len, k_len, heads, kv_heads, head_dim, scale, 1, QT * (heads / kv_heads), NULL, NULL};
-    return prefill_tasks(&p);
+    return prefill_tasks(&p, 1);
+}
+
+/* A step's prefill chunks in one call, their K/V read where they lie in one layer's
+ * cache (k, v: block id * block_stride + offset * token_stride + kv head * head_dim),
+ * their tasks shared among the threads. chunks[c] = {first query token in q and out,
+ * query tokens, positions (the queries the last of them), first block id in tables}.
+ * Returns 0, -1 for shapes it does not take, -2 when out of memory. */
+int kvd_prefill_chunks_f32(const float *q, int64_t q_head_stride, int64_t q_token_stride, const float *k,
+                           const float *v, int64_t block_stride, int64_t token_stride, const int64_t *chunks,
+                           int64_t num_chunks, const int64_t *tables, float *out, int64_t out_token_stride,
+                           int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale) {
+    if (kv_heads <= 0 || heads % kv_heads || head_dim % (4 * PANEL) || block_size <= 0) return -1;
+    if (num_chunks <= 0) return 0;
+    Chunk *each = malloc(num_chunks * sizeof(Chunk));
+    if (!each) return -2;
+    for (int64_t c = 0; c < num_chunks; c++) {
+        const int64_t *info = chunks + 4 * c;
+        if (info[1] > info[2]) {
+            free(each);
+            return -1;
+        }
+        each[c] = (Chunk){q + info[0] * q_token_stride, q_head_stride, q_token_stride, k, v, token_stride,
+                          tables + info[3], block_size, block_stride, out + info[0] * out_token_stride,
+                          out_token_stride, info[1], info[2], heads, kv_heads, head_dim, scale, 1,
+                          QT * (heads / kv_heads), NULL, NULL};
+    }
+    const int failed = prefill_tasks(each, num_chunks);
+    free(each);
+    return failed;
 }
 
 /* A batch of decodes' queries q [batch, heads, head_dim] over the same prefix of
@@ -534,7 +573,7 @@ int kvd_prefix_decode_f32(const float *q, float *out, float *top, float *mass, c
     const Chunk p = {q, head_dim, heads * head_dim, k, v, token_stride, blocks, block_size, block_stride,
                      out, heads * head_dim, batch, num_blocks * block_size, heads, kv_heads, head_dim, scale,
                      0, task_rows, top, mass};
-    return prefill_tasks(&p);
+    return prefill_tasks(&p, 1);
 }
 
 /* Head dims kvd_prefill_f32 takes are multiples of this. */

@@ -110,6 +110,10 @@ def load() -> ctypes.CDLL | None:
     fn = library.kvd_paged_decode_f32
     fn.restype = ctypes.c_int
     fn.argtypes = [*[_F32P] * 6, _I64, _I64, _I64P, _I64, _I64P, *[_I64] * 5, ctypes.c_float, ctypes.c_int]
+    chunks = library.kvd_prefill_chunks_f32
+    chunks.restype = ctypes.c_int
+    chunks.argtypes = [ctypes.c_void_p, _I64, _I64, _F32P, _F32P, _I64, _I64, _I64P, _I64, _I64P, _F32P,
+                       *[_I64] * 5, ctypes.c_float]  # fmt: skip
     prefix = library.kvd_prefix_decode_f32
     prefix.restype = ctypes.c_int
     prefix.argtypes = [*[_F32P] * 6, _I64, _I64, _I64P, *[_I64] * 7, ctypes.c_float]
@@ -204,9 +208,47 @@ def paged_decode(
     return out, running[0]
 
 
-def prefix_fits(q: torch.Tensor, layer_k: torch.Tensor) -> bool:
-    """Whether a batch's shared prefix can take ``prefix_decode`` (the prefill kernel's shapes)."""
+def paged_fits(q: torch.Tensor, layer_k: torch.Tensor) -> bool:
+    """Whether the prefill kernel's forms that read a layer's cache in place
+    (``prefill_chunks``, ``prefix_decode``) take these queries and this layer."""
     return _attention_fits(q, layer_k.dtype, layer_k.shape[2], lambda library: library.prefill_multiple)
+
+
+def prefill_chunks(
+    q: torch.Tensor,
+    layer_k: torch.Tensor,
+    layer_v: torch.Tensor,
+    chunks: torch.Tensor,
+    tables: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+) -> None:
+    """A step's prefill chunks' causal attention in one call, each chunk's K/V
+    read where they lie through its blocks, written into ``out``.
+
+    Args:
+        q: the step's queries ``[heads, tokens, head_dim]`` (strided; the head dimension contiguous).
+        layer_k, layer_v: as :func:`paged_decode`'s.
+        chunks: ``[n, 4]`` int64: per chunk its first token in ``q`` and ``out``, its
+            tokens, its positions (its tokens the last of them), where its blocks start in ``tables``.
+        tables: the chunks' block ids, one run after the other (int64).
+        out: ``[tokens, heads, head_dim]`` (the head dimension contiguous).
+    """
+    library = load()
+    assert library is not None, "check paged_fits() first"
+    heads, _, head_dim = q.shape
+    _check_cache(layer_k, layer_v, head_dim)
+    if q.stride(-1) != 1 or out.stride(-1) != 1 or out.stride(1) != head_dim:
+        raise ValueError(f"unexpected strides: q {q.stride()}, out {out.stride()}")
+    if any(t.dtype != torch.int64 or not t.is_contiguous() for t in (chunks, tables)):
+        raise ValueError("chunks and tables must be contiguous int64")
+    code = library.kvd_prefill_chunks_f32(
+        q.data_ptr(), q.stride(0), q.stride(1), _ptr(layer_k, _F32P), _ptr(layer_v, _F32P),
+        layer_k.stride(0), layer_k.stride(1), _ptr(chunks, _I64P), chunks.shape[0], _ptr(tables, _I64P),
+        _ptr(out, _F32P), out.stride(0), heads, layer_k.shape[2], head_dim, layer_k.shape[1], scale,
+    )  # fmt: skip
+    if code:
+        raise ValueError(f"the prefill kernel refused {chunks.shape[0]} chunks (code {code})")
 
 
 def prefix_decode(
@@ -223,7 +265,7 @@ def prefix_decode(
         blocks: ``[P]`` int64, the prefix's blocks in position order.
     """
     library = load()
-    assert library is not None, "check prefix_fits() first"
+    assert library is not None, "check paged_fits() first"
     q = queries.contiguous()
     batch, heads, head_dim = q.shape
     _check_cache(layer_k, layer_v, head_dim)

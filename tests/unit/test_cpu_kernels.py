@@ -192,9 +192,42 @@ def test_the_prefill_kernel_equals_causal_attention(each_vector_width, name, sha
     assert out[0].isnan().all() and out[-1].isnan().all(), "nothing written outside its rows"
 
 
+CHUNKED = {
+    # heads, kv heads, head dim, block size, each chunk's (tokens, positions)
+    "SmolLM2-like, chunks after a shared prefix": (9, 3, 64, 16, [(48, 640), (48, 640), (1, 1), (17, 33)]),
+    "groups of four, head dim 128, blocks of 6": (16, 4, 128, 6, [(70, 70), (5, 200)]),
+}
+
+
+@pytest.mark.parametrize("name", CHUNKED)
+def test_the_chunks_kernel_reads_each_chunks_blocks_in_place(each_vector_width, name):
+    heads, kv_heads, dim, block, shapes = CHUNKED[name]
+    gen = torch.Generator().manual_seed(5)
+    cache = torch.randn(160, 2, 2, block, kv_heads, dim, generator=gen)
+    layer_k, layer_v = cache[:, 1, 0], cache[:, 1, 1]
+    ids = torch.randperm(160, generator=gen)
+    tokens = sum(q_len for q_len, _ in shapes)
+    q = torch.randn(tokens, heads, dim, generator=gen).transpose(0, 1)  # [heads, tokens, d], strided as the model's
+    rows, tables, start, at = [], [], 0, 0
+    for q_len, k_len in shapes:
+        width = -(-k_len // block)
+        rows.append((start, q_len, k_len, at))
+        tables.append(ids[at : at + width])
+        start, at = start + q_len, at + width
+    out = torch.full((tokens, heads, dim), float("nan"))
+
+    cpu.prefill_chunks(q, layer_k, layer_v, torch.tensor(rows), torch.cat(tables), out, dim**-0.5)
+
+    for (start, q_len, k_len, _), table in zip(rows, tables, strict=True):
+        k, v = (layer[table].flatten(0, 1)[:k_len] for layer in (layer_k, layer_v))
+        want = causal_reference(q[:, start : start + q_len], k, v, dim**-0.5)
+        torch.testing.assert_close(out[start : start + q_len].double(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_prefill_chunks_take_the_kernel_and_agree_with_sdpa(fresh_build, monkeypatch):
     """Through the torch backend: a float32 chunk after cached positions and a
-    square one; a windowed layer whose window cuts into the context keeps SDPA."""
+    square one, both in one call reading their blocks in place; a windowed
+    layer whose window cuts into the context keeps SDPA for that chunk."""
     cache = torch.randn(32, 2, 2, 16, 3, 64, generator=torch.Generator().manual_seed(3))
     r = ModelRunner(torch.nn.Linear(1, 1), cache, 16)
     chunks = [Chunk(list(range(30)), 40, [1, 2, 3, 4, 5], 40, True), Chunk(list(range(20)), 0, [6, 7], 0, False)]
@@ -203,19 +236,21 @@ def test_prefill_chunks_take_the_kernel_and_agree_with_sdpa(fresh_build, monkeyp
     query, key = torch.randn(1, 9, 50, 64, generator=gen), torch.randn(1, 3, 50, 64, generator=gen)
     layer = types.SimpleNamespace(layer_idx=1)
     calls = []
-    monkeypatch.setattr(cpu, "prefill", lambda *a: calls.append(1) or PREFILL(*a))
+    monkeypatch.setattr(cpu, "prefill_chunks", lambda *a: calls.append(a[3].shape[0]) or PREFILL_CHUNKS(*a))
 
     with_kernel = torch_paged_attention(layer, query, key, key, None, attn_metadata=meta)[0]
-    assert len(calls) == 2
-    torch_paged_attention(layer, query, key, key, None, attn_metadata=meta, sliding_window=50)
-    assert len(calls) == 3, "the window cuts into the first chunk's 70 positions, not the second's 20"
+    assert calls == [2], "one call for both chunks"
+    windowed = torch_paged_attention(layer, query, key, key, None, attn_metadata=meta, sliding_window=50)[0]
+    assert calls == [2, 1], "the window cuts into the first chunk's 70 positions, not the second's 20"
     assert not cpu.use(False)
     with_sdpa = torch_paged_attention(layer, query, key, key, None, attn_metadata=meta)[0]
-    assert len(calls) == 3
+    windowed_sdpa = torch_paged_attention(layer, query, key, key, None, attn_metadata=meta, sliding_window=50)[0]
+    assert calls == [2, 1]
     torch.testing.assert_close(with_kernel, with_sdpa, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(windowed, windowed_sdpa, rtol=1e-5, atol=1e-5)
 
 
-PREFILL = cpu.prefill
+PREFILL_CHUNKS = cpu.prefill_chunks
 
 
 def test_the_prefill_kernel_leaves_float64_and_unfit_head_dims_to_sdpa(fresh_build):
