@@ -292,7 +292,11 @@ void kvd_small_linear_f32(const float *x, const float *panels, const float *bias
  *
  * A prefill chunk's queries, the last q_len of k_len positions, each
  * attending causally to the positions up to its own (bottom-right aligned),
- * over K/V rows gathered in position order. One task per (KV head, tile of
+ * over K/V rows in position order, either contiguous (kvd_prefill_f32) or read
+ * where they lie in the cache through the chunk's blocks (all of a step's
+ * chunks in one call, their tasks shared among the threads:
+ * kvd_prefill_chunks_f32; and the shared prefix of a decode batch,
+ * kvd_prefix_decode_f32). One task per (KV head, tile of
  * QT query tokens): the tile's rows are its tokens' query heads of that KV
  * head, all reading the same keys. Keys go by in tiles of KT; each tile is
  * two small matrix products kept in registers, between them a running

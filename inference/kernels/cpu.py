@@ -7,8 +7,10 @@
 - ``prefix_decode``: a decode batch's shared prefix, every query over its
   blocks in place (the prefill kernel's tasks without the causal mask),
   leaving the running softmax state ``paged_decode`` carries on from.
-- ``prefill``: a prefill chunk's causal attention, flash-attention style,
+- ``prefill_chunks``: a step's prefill chunks' causal attention,
+  flash-attention style, in one call, each chunk's blocks read in place;
   about three times as fast as torch's fused CPU kernel on these shapes.
+  ``prefill`` is the same over one chunk's K/V already in position order.
 - ``small_linear``: a linear layer over a few rows (a decode step's tokens),
   its weight packed into panels (``pack_panels``, as wide as the machine's
   vectors: ``panel_width``) read once per call; ``inference.cpu_linear``
