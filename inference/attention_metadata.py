@@ -184,16 +184,18 @@ class AttentionMetadata:
         one after the other, and the looped sequences left to SDPA."""
         if window not in self.paged_plans:
             looped = range(len(self.context_lens)) if self.looped is None else self.looped
-            taken = [i for i in looped if window is None or self.context_lens[i] <= window]
-            rows, tables, at = [], [], 0
-            for i in taken:
+            rows, tables, left, at = [], [], [], 0
+            for i in looped:
+                if window is not None and self.context_lens[i] > window:
+                    left.append(i)  # the window cuts into its context
+                    continue
                 start = self.query_start[i]
                 rows.append((start, self.query_start[i + 1] - start, self.context_lens[i], at))
                 tables.append(self.block_tables[i])
                 at += self.block_tables[i].shape[0]
             chunks = torch.tensor(rows, dtype=torch.int64).view(-1, 4)
             flat = torch.cat(tables).to(torch.int64) if tables else torch.empty(0, dtype=torch.int64)
-            self.paged_plans[window] = (chunks, flat, [i for i in looped if i not in taken])
+            self.paged_plans[window] = (chunks, flat, left)
         return self.paged_plans[window]
 
     def decode_window_mask(self, window: int | None) -> torch.Tensor | None:

@@ -12,8 +12,8 @@
  * One query token per sequence attends over its own blocks; a batch's
  * shared prefix is attended to before, for all its queries at once, by the
  * prefill kernel's tasks (kvd_prefix_decode_f32, below), and this kernel
- * carries on from the running state that leaves. Each sequence is one task. A block is folded into the sequence's running
- * softmax (per query head: the running maximum, the sum of the
+ * carries on from the running state that leaves. Each sequence is one task.
+ * A block is folded into the sequence's running softmax (per query head: the running maximum, the sum of the
  * exponentials, the weighted sum of the values, kept in the output itself)
  * for all its heads at once, so the block's rows are read as one run while
  * the next block is prefetched. Nothing is gathered or copied.
@@ -347,7 +347,8 @@ typedef struct {
 static void key_offsets(const Chunk *p, int64_t j0, int64_t n, int64_t *offsets) {
     for (int64_t j = 0; j < n; j++) {
         const int64_t at = j0 + j;
-        offsets[j] = p->blocks ? p->blocks[at / p->block_size] * p->block_stride + (at % p->block_size) * p->kv_token_stride
+        offsets[j] = p->blocks ? p->blocks[at / p->block_size] * p->block_stride
+                                     + (at % p->block_size) * p->kv_token_stride
                                : at * p->kv_token_stride;
     }
 }

@@ -256,6 +256,11 @@ PREFILL_CHUNKS = cpu.prefill_chunks
 def test_the_prefill_kernel_leaves_float64_and_unfit_head_dims_to_sdpa(fresh_build):
     assert not cpu.prefill_fits(torch.zeros(4, 3, 64, dtype=torch.float64), torch.zeros(3, 2, 64, dtype=torch.float64))
     assert not cpu.prefill_fits(torch.zeros(4, 3, 24), torch.zeros(3, 2, 24))  # not a multiple of four vectors
+    # the engine's gate for the forms that read the cache in place (prefill chunks, a decode batch's prefix)
+    cache = torch.zeros(4, 1, 2, 16, 2, 64)
+    assert cpu.paged_fits(torch.zeros(4, 3, 64), cache[:, 0, 0])
+    assert not cpu.paged_fits(torch.zeros(4, 3, 64, dtype=torch.float64), cache[:, 0, 0].double())
+    assert not cpu.paged_fits(torch.zeros(4, 3, 24), torch.zeros(4, 16, 2, 24))
 
 
 def test_float64_and_unfit_head_dims_keep_the_torch_path(fresh_build):
