@@ -39,7 +39,7 @@ import time
 
 import grpc
 
-from gateway.replicas import ReplicaPool
+from gateway.replicas import ReplicaPool, engine_status
 from gateway.router import NoReplica
 from gateway.templates import (
     StoreUnavailable,
@@ -119,12 +119,12 @@ class TemplateKeeper:
                     left = None if timeout_s is None else give_up_at - time.monotonic()
                     return self._warm_on(address, template, left)
                 except grpc.RpcError as err:
-                    if err.code() not in _TRY_NEXT:
+                    if engine_status(err) not in _TRY_NEXT:
                         raise
-                    if err.code() == grpc.StatusCode.UNAVAILABLE:
+                    if engine_status(err) == grpc.StatusCode.UNAVAILABLE:
                         self.pool.mark_down(address)
                     error = err
-            full = error is not None and error.code() != grpc.StatusCode.UNAVAILABLE
+            full = error is not None and engine_status(error) != grpc.StatusCode.UNAVAILABLE
             if full or not self.pool.await_serving(tried, give_up_at - time.monotonic()):
                 if error is not None:
                     raise error

@@ -1,7 +1,7 @@
 """Relays a generation from the replica the router picks to its caller.
 
 A replica that refuses the request before its first token (UNAVAILABLE:
-draining, gone; RESOURCE_EXHAUSTED: full) hands it to the next one the
+draining, stopping, gone; RESOURCE_EXHAUSTED: full) hands it to the next one the
 router picks, until none is left; during a drain or a restart the request
 waits for a replica to come back (``ReplicaPool.await_serving``). Once a
 message reached the caller the request is never tried elsewhere.
@@ -108,7 +108,8 @@ class Relay:
                     route = self._next_route(request.route_key, tried, call, wait=wait)
                 except NoReplica:
                     raise refused from None
-                log.info("request handed to another replica", extra={"refused_by": sorted(tried)})
+                log.info("request handed to another replica",
+                         extra={"refused_by": sorted(tried), "refusal": refused.message})  # fmt: skip
         finally:
             released()
 
@@ -156,16 +157,17 @@ class Relay:
                     streamed = True
                 yield gateway_response(message, request)
         except grpc.RpcError as err:
+            if not call.is_active():
+                return None  # its caller left (which cancelled the engine's call): no one to answer
             # NOTE: once a message reached the client, never retried elsewhere.
             # New requests route around the replica until its health check
             # says it serves again.
-            if err.code() == grpc.StatusCode.UNAVAILABLE:
-                self.pool.mark_down(address)
             error = from_engine(err, f"the engine at {address}")
-            if err.code() in _HANDED_OVER and not streamed and call.is_active():
+            if error.code == grpc.StatusCode.UNAVAILABLE:
+                self.pool.mark_down(address)
+            if error.code in _HANDED_OVER and not streamed:
                 return error
-            if call.is_active():
-                raise error from None
+            raise error from None
         finally:
             engine_call.cancel()  # the stream was closed early (its client left): stop the engine's request
             finished()

@@ -45,7 +45,6 @@ _PASSED_ON = frozenset(
         grpc.StatusCode.INVALID_ARGUMENT,
         grpc.StatusCode.RESOURCE_EXHAUSTED,
         grpc.StatusCode.NOT_FOUND,
-        grpc.StatusCode.CANCELLED,
         grpc.StatusCode.DEADLINE_EXCEEDED,
         grpc.StatusCode.UNAVAILABLE,
     }
@@ -119,8 +118,22 @@ def remaining_s(context: grpc.ServicerContext, default_s: float | None = None) -
     return left
 
 
+def engine_status(err: grpc.RpcError) -> grpc.StatusCode:
+    """An engine call's status as the gateway reads it: CANCELLED is UNAVAILABLE.
+
+    NOTE: a gRPC server that stops cancels the calls it had received but not
+    yet taken up (grpc/grpc#41785): the engine went away before the request
+    started, as when it refuses a connection. The gateway cancels an engine's
+    call only when its own caller has left, and then answers no one.
+    """
+    code = err.code()
+    return grpc.StatusCode.UNAVAILABLE if code == grpc.StatusCode.CANCELLED else code
+
+
 def engine_error(err: grpc.RpcError, who: str = "an engine replica") -> tuple[grpc.StatusCode, str]:
     """The status and message a client gets for an engine's error."""
+    if err.code() == grpc.StatusCode.CANCELLED:
+        return grpc.StatusCode.UNAVAILABLE, f"{who} is unavailable: its server cancelled the call as it stopped"
     code = err.code()
     if code == grpc.StatusCode.UNAVAILABLE:
         return code, f"{who} is unavailable: {err.details()}"

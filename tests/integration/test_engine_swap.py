@@ -7,6 +7,7 @@ and fairness between two engines' sessions.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import json
 import shutil
@@ -259,6 +260,50 @@ def test_requests_that_find_no_replica_serving_wait_for_the_replaced_one_on_ever
         a.stop()
         b.stop(signal.SIGKILL)
         daemon.stop()
+
+
+def test_requests_a_stopping_engine_had_not_started_are_retried_not_cancelled(model_dir, workdir):
+    """A gRPC server that stops cancels the calls it had received but not yet
+    taken up (grpc/grpc#41785): CANCELLED, though nobody cancelled. Engine A
+    is frozen (SIGSTOP) while the gateway sends it a burst of requests, then
+    stopped (SIGTERM, SIGCONT): it takes some up and refuses them while it
+    drains (UNAVAILABLE), and its server cancels the rest as it stops. The
+    gateway takes both for what they are, the engine going away before the
+    request started, and waits for a replica: the new A on A's address
+    answers every one."""
+    daemon = start_daemon(["--block-size", str(BLOCK), "--num-blocks", "256"], workdir)
+    args = ["--model", str(model_dir)]
+    a = start_engine(daemon, args, workdir)
+    rounds = ["--health-interval-s", "3600", "--replica-wait-s", "600"]
+    try:
+        with gateway_on_local_redis(a.address, workdir, 1, rounds) as gw:
+            with GatewayClient(gw.address, timeout_s=None) as client, cf.ThreadPoolExecutor(BURST) as pool:
+                client.info()  # what the gateway fetches once (model info, tokenizer), while A answers
+                a.process.send_signal(signal.SIGSTOP)
+                asked = [pool.submit(completion, client, [9, 10, 11, i], max_new_tokens=2) for i in range(BURST)]
+                time.sleep(2.0)  # the burst waits in A's socket
+                a.process.send_signal(signal.SIGTERM)
+                a.process.send_signal(signal.SIGCONT)
+                assert a.process.wait(timeout=60) == 0, a.log()
+                port = int(a.address.rsplit(":", 1)[1])
+                a = start_engine(daemon, args, workdir, port=port)
+                outcomes = collections.Counter(_outcome(f) for f in asked)
+                assert outcomes == {"answered": BURST}, outcomes
+            assert "request waits for a replica to serve" in gw.log()
+    finally:
+        a.stop()
+        daemon.stop()
+
+
+#: Requests sent to the frozen engine at once.
+BURST = 48
+
+
+def _outcome(asked: cf.Future) -> str:
+    try:
+        return "answered" if len(asked.result(timeout=120)[0]) == 2 else "short"
+    except grpc.RpcError as err:
+        return err.code().name
 
 
 def _http_chat_stream(http: str, model: str) -> tuple[int, str]:
