@@ -291,6 +291,7 @@ def test_requests_a_stopping_engine_had_not_started_are_retried_not_cancelled(mo
                 assert outcomes == {"answered": BURST}, outcomes
             assert "request waits for a replica to serve" in gw.log()
     finally:
+        a.process.send_signal(signal.SIGCONT)  # were it still frozen, its stop would wait for nothing
         a.stop()
         daemon.stop()
 
