@@ -119,9 +119,10 @@ class TemplateKeeper:
                     left = None if timeout_s is None else give_up_at - time.monotonic()
                     return self._warm_on(address, template, left)
                 except grpc.RpcError as err:
-                    if engine_status(err) not in _TRY_NEXT:
+                    status = engine_status(err)
+                    if status not in _TRY_NEXT:
                         raise
-                    if engine_status(err) == grpc.StatusCode.UNAVAILABLE:
+                    if status == grpc.StatusCode.UNAVAILABLE:
                         self.pool.mark_down(address)
                     error = err
             full = error is not None and engine_status(error) != grpc.StatusCode.UNAVAILABLE

@@ -132,9 +132,9 @@ def engine_status(err: grpc.RpcError) -> grpc.StatusCode:
 
 def engine_error(err: grpc.RpcError, who: str = "an engine replica") -> tuple[grpc.StatusCode, str]:
     """The status and message a client gets for an engine's error."""
-    if err.code() == grpc.StatusCode.CANCELLED:
-        return grpc.StatusCode.UNAVAILABLE, f"{who} is unavailable: its server cancelled the call as it stopped"
     code = err.code()
+    if code == grpc.StatusCode.CANCELLED:  # see engine_status
+        return grpc.StatusCode.UNAVAILABLE, f"{who} is unavailable: its server cancelled the call as it stopped"
     if code == grpc.StatusCode.UNAVAILABLE:
         return code, f"{who} is unavailable: {err.details()}"
     if code in _PASSED_ON:

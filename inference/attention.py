@@ -91,7 +91,7 @@ def torch_paged_attention(
     q = query[0]
     layer = LayerAttention.of_call(q.shape[-1], scaling, kwargs)
     out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)
-    looped = range(len(meta.context_lens)) if meta.looped is None else meta.looped
+    looped = meta.looped_seqs
     if looped and layer.softcap is None and cpu.paged_fits(q, layer_k):  # the C kernel: float32 on the CPU
         chunks, tables, looped = meta.paged_chunks(layer.window)
         if chunks.shape[0]:  # all in one call, the blocks read where they lie (inference.kernels.cpu)

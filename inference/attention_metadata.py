@@ -9,7 +9,7 @@ into ``inference.attention`` reads it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -165,6 +165,11 @@ class AttentionMetadata:
     before_write: Callable[[], None] | None = None
     timings: StepTimings | None = None
 
+    @property
+    def looped_seqs(self) -> Sequence[int]:
+        """The sequences attended to one by one: ``looped``, or all of them when no decode batch was formed."""
+        return range(len(self.context_lens)) if self.looped is None else self.looped
+
     def mask(self, i: int, window: int | None) -> torch.Tensor | None:
         """Sequence ``i``'s chunk mask for a layer with this window (built
         once a step per window, then shared by the layers that use it)."""
@@ -183,9 +188,8 @@ class AttentionMetadata:
         positions, where its blocks start in the tables), their block tables
         one after the other, and the looped sequences left to SDPA."""
         if window not in self.paged_plans:
-            looped = range(len(self.context_lens)) if self.looped is None else self.looped
             rows, tables, left, at = [], [], [], 0
-            for i in looped:
+            for i in self.looped_seqs:
                 if window is not None and self.context_lens[i] > window:
                     left.append(i)  # the window cuts into its context
                     continue
