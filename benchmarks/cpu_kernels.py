@@ -7,13 +7,16 @@ In one process, float32, a layer's call repeated for 30 layers (SmolLM2's
 count) per timing, the variants alternating round by round
 (``harness.turn_order``), medians of the rounds:
 
-- ``kernel``: ``inference.kernels.cpu.prefill`` as the engine builds it;
+- ``kernel``: ``inference.kernels.cpu.prefill_chunks`` as the engine builds
+  and calls it, over the K/V laid into a layer's cache in blocks of
+  ``BLOCK`` positions (in order);
 - ``sdpa``: ``F.scaled_dot_product_attention`` with grouped KV heads on the
   same tensors, causal, bottom-right aligned by an explicit mask where the
   chunk follows cached positions (what the engine's torch path runs);
 - ``against`` (with ``--against FILE``): the same kernel built from FILE,
   for instance ``git show REV:inference/kernels/cpu.c > /tmp/old.c``: a
-  change to the kernel measured beside its parent in one run.
+  change to the kernel measured beside its parent in one run (a build
+  with ``kvd_prefill_chunks_f32``: 82db27b on).
 
 Each case's FLOPs (the query-key pairs a causal chunk computes, two products
 of ``head_dim`` multiply-adds each) give GFLOP/s; ``floor_ms`` is the time
@@ -37,6 +40,8 @@ from typing import Any
 import harness
 
 LAYERS = 30
+#: Positions per block of the cache the kernel reads (the engine's default).
+BLOCK = 16
 #: case -> (heads, kv heads, head dim, query tokens, key positions: the last q_len of them are the queries')
 CASES = {
     "square_512": (9, 3, 64, 512, 512),
@@ -62,8 +67,8 @@ def build_against(source: Path, folder: Path) -> ctypes.CDLL:
     built = folder / "against.so"
     subprocess.run([cpu._compiler(), *cpu.FLAGS, str(source), "-o", str(built), "-lm"], check=True)
     library = ctypes.CDLL(str(built))
-    library.kvd_prefill_f32.restype = ctypes.c_int
-    library.kvd_prefill_f32.argtypes = cpu.load().kvd_prefill_f32.argtypes
+    library.kvd_prefill_chunks_f32.restype = ctypes.c_int
+    library.kvd_prefill_chunks_f32.argtypes = cpu.load().kvd_prefill_chunks_f32.argtypes
     return library
 
 
@@ -129,15 +134,23 @@ def measure_case(case: tuple[int, ...], against: ctypes.CDLL | None, rounds: int
     k, v = torch.randn(k_len, kv_heads, dim, generator=gen), torch.randn(k_len, kv_heads, dim, generator=gen)
     mask = torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len)
     outs = {variant: torch.empty(q_len, heads, dim) for variant in ("kernel", "sdpa", "against")}
+    blocks = -(-k_len // BLOCK)
+    layer_k, layer_v = (torch.zeros(blocks * BLOCK, kv_heads, dim) for _ in range(2))
+    layer_k[:k_len], layer_v[:k_len] = k, v
+    layer_k, layer_v = layer_k.view(blocks, BLOCK, kv_heads, dim), layer_v.view(blocks, BLOCK, kv_heads, dim)
+    chunks, table = torch.tensor([[0, q_len, k_len, 0]]), torch.arange(blocks)  # one chunk, its blocks in order
 
     def kernel() -> None:
-        cpu.prefill(q, k, v, outs["kernel"], dim**-0.5)
+        cpu.prefill_chunks(q, layer_k, layer_v, chunks, table, outs["kernel"], dim**-0.5)
 
     def other_build() -> None:
         out = outs["against"]
-        code = against.kvd_prefill_f32(
-            q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), k.stride(0), out.data_ptr(),
-            out.stride(0), q_len, k_len, heads, kv_heads, dim, dim**-0.5,
+        f32, i64 = ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_int64)
+        code = against.kvd_prefill_chunks_f32(
+            q.data_ptr(), q.stride(0), q.stride(1), ctypes.cast(layer_k.data_ptr(), f32),
+            ctypes.cast(layer_v.data_ptr(), f32), layer_k.stride(0), layer_k.stride(1),
+            ctypes.cast(chunks.data_ptr(), i64), 1, ctypes.cast(table.data_ptr(), i64),
+            ctypes.cast(out.data_ptr(), f32), out.stride(0), heads, kv_heads, dim, BLOCK, dim**-0.5,
         )  # fmt: skip
         assert code == 0, code
 

@@ -292,9 +292,8 @@ void kvd_small_linear_f32(const float *x, const float *panels, const float *bias
  *
  * A prefill chunk's queries, the last q_len of k_len positions, each
  * attending causally to the positions up to its own (bottom-right aligned),
- * over K/V rows in position order, either contiguous (kvd_prefill_f32) or read
- * where they lie in the cache through the chunk's blocks (all of a step's
- * chunks in one call, their tasks shared among the threads:
+ * over K/V read where they lie in the cache through the chunk's blocks (all
+ * of a step's chunks in one call, their tasks shared among the threads:
  * kvd_prefill_chunks_f32; and the shared prefix of a decode batch,
  * kvd_prefix_decode_f32). One task per (KV head, tile of
  * QT query tokens): the tile's rows are its tokens' query heads of that KV
@@ -328,11 +327,11 @@ static inline fp larger(fp a, fp b) {
 typedef struct {
     const float *q;                   /* q[h * q_head_stride + t * q_token_stride + i] */
     int64_t q_head_stride, q_token_stride;
-    /* key j of KV head g at k[offset(j) + g * d]: offset(j) = j * kv_token_stride, or with a block
-     * table blocks[j / block_size] * block_stride + (j % block_size) * kv_token_stride */
+    /* key j of KV head g at k[offset(j) + g * d]:
+     * offset(j) = blocks[j / block_size] * block_stride + (j % block_size) * kv_token_stride */
     const float *k, *v;
     int64_t kv_token_stride;
-    const int64_t *blocks; /* NULL: the keys lie in position order */
+    const int64_t *blocks;
     int64_t block_size, block_stride;
     float *out;                       /* out[t * out_token_stride + h * d + i] */
     int64_t out_token_stride;
@@ -347,9 +346,7 @@ typedef struct {
 static void key_offsets(const Chunk *p, int64_t j0, int64_t n, int64_t *offsets) {
     for (int64_t j = 0; j < n; j++) {
         const int64_t at = j0 + j;
-        offsets[j] = p->blocks ? p->blocks[at / p->block_size] * p->block_stride
-                                     + (at % p->block_size) * p->kv_token_stride
-                               : at * p->kv_token_stride;
+        offsets[j] = p->blocks[at / p->block_size] * p->block_stride + (at % p->block_size) * p->kv_token_stride;
     }
 }
 
@@ -520,16 +517,6 @@ static int prefill_tasks(const Chunk *chunks, int64_t n) {
     return failed ? -2 : 0;
 }
 
-/* Returns 0, or -1 when the shapes are not the kernel's (head_dim a multiple of 4 * PANEL: kvd_prefill_multiple). */
-int kvd_prefill_f32(const float *q, int64_t q_head_stride, int64_t q_token_stride, const float *k, const float *v,
-                    int64_t kv_token_stride, float *out, int64_t out_token_stride, int64_t q_len, int64_t k_len,
-                    int64_t heads, int64_t kv_heads, int64_t head_dim, float scale) {
-    if (kv_heads <= 0 || heads % kv_heads || head_dim % (4 * PANEL) || q_len > k_len) return -1;
-    const Chunk p = {q, q_head_stride, q_token_stride, k, v, kv_token_stride, NULL, 1, 0, out, out_token_stride,
-                     q_len, k_len, heads, kv_heads, head_dim, scale, 1, QT * (heads / kv_heads), NULL, NULL};
-    return prefill_tasks(&p, 1);
-}
-
 /* A step's prefill chunks in one call, their K/V read where they lie in one layer's
  * cache (k, v: block id * block_stride + offset * token_stride + kv head * head_dim),
  * their tasks shared among the threads. chunks[c] = {first query token in q and out,
@@ -581,5 +568,5 @@ int kvd_prefix_decode_f32(const float *q, float *out, float *top, float *mass, c
     return prefill_tasks(&p, 1);
 }
 
-/* Head dims kvd_prefill_f32 takes are multiples of this. */
+/* Head dims the prefill kernel's entries (kvd_prefill_chunks_f32, kvd_prefix_decode_f32) take are multiples of this. */
 int kvd_prefill_multiple(void) { return 4 * PANEL; }

@@ -10,7 +10,6 @@
 - ``prefill_chunks``: a step's prefill chunks' causal attention,
   flash-attention style, in one call, each chunk's blocks read in place;
   about three times as fast as torch's fused CPU kernel on these shapes.
-  ``prefill`` is the same over one chunk's K/V already in position order.
 - ``small_linear``: a linear layer over a few rows (a decode step's tokens),
   its weight packed into panels (``pack_panels``, as wide as the machine's
   vectors: ``panel_width``) read once per call; ``inference.cpu_linear``
@@ -122,10 +121,6 @@ def load() -> ctypes.CDLL | None:
     small = library.kvd_small_linear_f32
     small.restype = None
     small.argtypes = [ctypes.c_void_p] * 4 + [_I64] * 3
-    prefill = library.kvd_prefill_f32
-    prefill.restype = ctypes.c_int
-    prefill.argtypes = [ctypes.c_void_p, _I64, _I64, ctypes.c_void_p, ctypes.c_void_p, _I64, ctypes.c_void_p,
-                        *[_I64] * 6, ctypes.c_float]  # fmt: skip
     # The build's constants, read once here rather than through ctypes on every layer's call.
     library.panel_width = library.kvd_panel_width()
     library.prefill_multiple = library.kvd_prefill_multiple()
@@ -211,8 +206,8 @@ def paged_decode(
 
 
 def paged_fits(q: torch.Tensor, layer_k: torch.Tensor) -> bool:
-    """Whether the prefill kernel's forms that read a layer's cache in place
-    (``prefill_chunks``, ``prefix_decode``) take these queries and this layer."""
+    """Whether the prefill kernel (``prefill_chunks``, ``prefix_decode``) takes
+    these queries and this layer's cache."""
     return _attention_fits(q, layer_k.dtype, layer_k.shape[2], lambda library: library.prefill_multiple)
 
 
@@ -318,36 +313,3 @@ def small_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | Non
         rows.shape[0], out_features, in_features,
     )  # fmt: skip
     return out.view(*x.shape[:-1], out_features)
-
-
-def prefill_fits(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether a chunk's attention can take ``prefill`` (it runs, float32, head dims its multiple)."""
-    return _attention_fits(q, k.dtype, k.shape[1], lambda library: library.prefill_multiple)
-
-
-def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, scale: float) -> None:
-    """Causal attention of a chunk's queries, the last ``q_len`` of ``k_len``
-    positions (each sees the positions up to its own), written into ``out``.
-
-    Args:
-        q: ``[heads, q_len, head_dim]`` (strided; the head dimension contiguous).
-        k, v: ``[k_len, kv_heads, head_dim]`` as gathered (rows in position order).
-        out: ``[q_len, heads, head_dim]`` (strided the same way).
-    """
-    library = load()
-    assert library is not None, "check prefill_fits() first"
-    heads, q_len, head_dim = q.shape
-    k_len, kv_heads, _ = k.shape
-    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name}'s head dimension must be contiguous")
-    if k.stride() != v.stride() or k.stride(1) != head_dim or out.stride(1) != head_dim:
-        raise ValueError(f"unexpected strides: k {k.stride()}, v {v.stride()}, out {out.stride()}")
-    if out.shape != (q_len, heads, head_dim):
-        raise ValueError(f"out must be {(q_len, heads, head_dim)}, not {tuple(out.shape)}")
-    code = library.kvd_prefill_f32(
-        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), k.stride(0),
-        out.data_ptr(), out.stride(0), q_len, k_len, heads, kv_heads, head_dim, scale,
-    )  # fmt: skip
-    if code:
-        raise ValueError(f"the prefill kernel refused: q {tuple(q.shape)}, k {tuple(k.shape)} (code {code})")

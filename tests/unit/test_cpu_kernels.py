@@ -178,18 +178,33 @@ def test_the_prefill_kernel_equals_causal_attention(each_vector_width, name, sha
     heads, kv_heads, dim, q_len, k_len = PREFILLS[name]
     gen = torch.Generator().manual_seed(2)
     tokens = torch.randn(q_len + 3, heads, dim, generator=gen) * sharpness
-    q = tokens.transpose(0, 1)[:, 2 : 2 + q_len]  # [heads, q_len, d], strided as the model's queries
+    q = tokens.transpose(0, 1)[:, 1 : 3 + q_len]  # [heads, q_len + 2, d], strided as the model's queries
     k, v = torch.randn(k_len, kv_heads, dim, generator=gen), torch.randn(k_len, kv_heads, dim, generator=gen)
+    layer_k, layer_v, table = paged(k, v, 16, gen)
     out = torch.full((q_len + 2, heads, dim), float("nan"))
-    assert cpu.prefill_fits(q, k)
+    assert cpu.paged_fits(q, layer_k)
 
-    cpu.prefill(q, k, v, out[1 : 1 + q_len], dim**-0.5)
+    # one chunk: its queries and outputs from token 1 on, its blocks from 0 on in the table
+    cpu.prefill_chunks(q, layer_k, layer_v, torch.tensor([[1, q_len, k_len, 0]]), table, out, dim**-0.5)
 
     # scores in the hundreds carry float32's rounding: torch's own SDPA is 1.9e-5 off on the sharp square chunk
     tolerance = 1e-5 if sharpness == 1 else 5e-5
-    want = causal_reference(q, k, v, dim**-0.5)
+    want = causal_reference(q[:, 1 : 1 + q_len], k, v, dim**-0.5)
     torch.testing.assert_close(out[1 : 1 + q_len].double(), want, rtol=tolerance, atol=tolerance)
     assert out[0].isnan().all() and out[-1].isnan().all(), "nothing written outside its rows"
+
+
+def paged(k: torch.Tensor, v: torch.Tensor, block: int, gen) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``k``, ``v`` (``[positions, kv_heads, d]``) laid into a layer's cache of blocks
+    in shuffled order (the rest random): its K and V, and the blocks' table in position order."""
+    count = -(-k.shape[0] // block)
+    cache = torch.randn(count + 3, 2, block, *k.shape[1:], generator=gen)
+    table = torch.randperm(count + 3, generator=gen)[:count]
+    for half, values in enumerate((k, v)):
+        rows = cache[table, half].flatten(0, 1)  # a copy: the blocks' rows in position order
+        rows[: values.shape[0]] = values
+        cache[table, half] = rows.view(count, block, *values.shape[1:])
+    return cache[:, 0], cache[:, 1], table
 
 
 CHUNKED = {
@@ -254,12 +269,11 @@ PREFILL_CHUNKS = cpu.prefill_chunks
 
 
 def test_the_prefill_kernel_leaves_float64_and_unfit_head_dims_to_sdpa(fresh_build):
-    assert not cpu.prefill_fits(torch.zeros(4, 3, 64, dtype=torch.float64), torch.zeros(3, 2, 64, dtype=torch.float64))
-    assert not cpu.prefill_fits(torch.zeros(4, 3, 24), torch.zeros(3, 2, 24))  # not a multiple of four vectors
-    # the engine's gate for the forms that read the cache in place (prefill chunks, a decode batch's prefix)
+    # the engine's gate for the prefill kernel's forms (prefill chunks, a decode batch's prefix)
     cache = torch.zeros(4, 1, 2, 16, 2, 64)
     assert cpu.paged_fits(torch.zeros(4, 3, 64), cache[:, 0, 0])
     assert not cpu.paged_fits(torch.zeros(4, 3, 64, dtype=torch.float64), cache[:, 0, 0].double())
+    assert not cpu.paged_fits(torch.zeros(4, 3, 24), torch.zeros(4, 16, 2, 24))  # not a multiple of four vectors
     assert not cpu.paged_fits(torch.zeros(4, 3, 24), torch.zeros(4, 16, 2, 24))
 
 
