@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from inference import attention, cpu_linear, model_identity, model_store, model_support, openmp
+from inference import attention, cpu_linear, fused_layers, model_identity, model_store, model_support, openmp
 from inference.config import EngineConfig, EngineSettings
 from inference.engine import Engine
 from inference.kernels import cpu
@@ -90,6 +90,8 @@ class EngineApp:
         model = model_store.load_model(path, model_store.parse_dtype(self.dtype), self.device)
         # float32 on the CPU only; the C kernels are built now (under a second), not in the first step
         kernels = self.device == "cpu" and cpu.use(self.settings.cpu_kernels)
+        if fused := kernels and fused_layers.fuse(model):  # first: its stacked projections are packed next
+            log.info("Llama-code layers on the C kernels", extra={"modules": fused})
         if packed := cpu_linear.pack_linears(model, panels=kernels):
             log.info("linear layers on oneDNN, weights packed", extra={"layers": packed, "c_kernels": kernels})
         return model

@@ -570,3 +570,89 @@ int kvd_prefix_decode_f32(const float *q, float *out, float *top, float *mass, c
 
 /* Head dims the prefill kernel's entries (kvd_prefill_chunks_f32, kvd_prefix_decode_f32) take are multiples of this. */
 int kvd_prefill_multiple(void) { return 4 * PANEL; }
+
+/* --- A decoder layer's element-wise steps (inference/fused_layers.py) ---
+ *
+ * RMS normalization, the rotary embedding and a gated MLP's activation, each
+ * one pass over its rows. torch runs each as several operators, every one a
+ * pass over the whole tensor into a new one: on a 512-token chunk of SmolLM2
+ * they took about a sixth of the forward, and on a decode step of a few rows
+ * the operators' own overhead was as long as their work. Rows are shared
+ * among the threads only when there are enough of them to pay for waking
+ * the threads.
+ */
+#define PARALLEL_FLOATS (1 << 15)
+
+/* x[:n] * scale * weight into y, a vector at a time. */
+static inline void scale_row(const float *x, const float *weight, float scale, float *y, int64_t n) {
+    int64_t i = 0;
+    for (; i + PANEL <= n; i += PANEL) *(fp *)(y + i) = *(const fp *)(x + i) * scale * *(const fp *)(weight + i);
+    for (; i < n; i++) y[i] = x[i] * scale * weight[i];
+}
+
+/* y[r] = weight * x[r] / sqrt(mean(x[r]^2) + eps) over rows of d floats,
+ * `stride` floats apart in x and y alike (y may be x). */
+void kvd_rms_norm_f32(const float *x, const float *weight, float *y, int64_t rows, int64_t d, int64_t stride,
+                      float eps) {
+#pragma omp parallel for schedule(static) if (rows * d >= PARALLEL_FLOATS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * stride;
+        fp squares = {0};
+        int64_t i = 0;
+        for (; i + PANEL <= d; i += PANEL) squares += *(const fp *)(row + i) * *(const fp *)(row + i);
+        float sum = lane_sum(squares);
+        for (; i < d; i++) sum += row[i] * row[i];
+        scale_row(row, weight, 1.0f / sqrtf(sum / (float)d + eps), y + r * stride, d);
+    }
+}
+
+/* silu(x) = x / (1 + e^-x), from e = e^-|x| (expv takes x <= 0): x / (1 + e)
+ * for x >= 0, x e / (1 + e) below; neither overflows. */
+static inline fp siluv(fp x) {
+    const ip negative = x < 0;                               /* all ones where true */
+    const fp e = expv((fp)((ip)x | (int32_t)0x80000000));    /* the sign bit set: -|x| */
+    const fp numerator = (fp)(((ip)(x * e) & negative) | ((ip)x & ~negative));
+    return numerator / (1.0f + e);
+}
+
+/* out[r][j] = silu(gate_up[r][j]) * gate_up[r][n + j]: a gated MLP's
+ * activation, its gate and up projections side by side in rows of 2n (one
+ * product made both). */
+void kvd_silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t n) {
+#pragma omp parallel for schedule(static) if (rows * n >= PARALLEL_FLOATS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gate = gate_up + r * 2 * n, *up = gate + n;
+        float *y = out + r * n;
+        int64_t j = 0;
+        for (; j + PANEL <= n; j += PANEL) *(fp *)(y + j) = siluv(*(const fp *)(gate + j)) * *(const fp *)(up + j);
+        for (; j < n; j++) y[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
+    }
+}
+
+/* The rotary embedding, in place, of the first `heads` heads (d floats each,
+ * side by side) of rows `stride` floats apart, by each row's cos and sin
+ * ([rows][d]): the halves rotated as Hugging Face's rotate_half has them,
+ * x' = x cos + (-x2, x1) sin. A projection's queries and keys lie side by
+ * side in its rows: one call rotates both. */
+void kvd_rotary_f32(float *x, int64_t stride, int64_t rows, int64_t heads, int64_t d, const float *cos,
+                    const float *sin) {
+    const int64_t half = d / 2;
+#pragma omp parallel for schedule(static) if (rows * heads * d >= PARALLEL_FLOATS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *c = cos + r * d, *s = sin + r * d;
+        for (int64_t h = 0; h < heads; h++) {
+            float *x1 = x + r * stride + h * d, *x2 = x1 + half;
+            int64_t i = 0;
+            for (; i + PANEL <= half; i += PANEL) {
+                const fp a = *(fp *)(x1 + i), b = *(fp *)(x2 + i);
+                *(fp *)(x1 + i) = a * *(const fp *)(c + i) - b * *(const fp *)(s + i);
+                *(fp *)(x2 + i) = b * *(const fp *)(c + half + i) + a * *(const fp *)(s + half + i);
+            }
+            for (; i < half; i++) {
+                const float a = x1[i], b = x2[i];
+                x1[i] = a * c[i] - b * s[i];
+                x2[i] = b * c[half + i] + a * s[half + i];
+            }
+        }
+    }
+}

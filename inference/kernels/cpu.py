@@ -10,6 +10,9 @@
 - ``prefill_chunks``: a step's prefill chunks' causal attention,
   flash-attention style, in one call, each chunk's blocks read in place;
   about three times as fast as torch's fused CPU kernel on these shapes.
+- ``rms_norm``, ``silu_mul``, ``rotary``: a decoder layer's element-wise
+  steps, each one pass over its rows where torch makes several
+  (``inference.fused_layers`` puts them in the Llama-code layers).
 - ``small_linear``: a linear layer over a few rows (a decode step's tokens),
   its weight packed into panels (``pack_panels``, as wide as the machine's
   vectors: ``panel_width``) read once per call; ``inference.cpu_linear``
@@ -121,6 +124,12 @@ def load() -> ctypes.CDLL | None:
     small = library.kvd_small_linear_f32
     small.restype = None
     small.argtypes = [ctypes.c_void_p] * 4 + [_I64] * 3
+    library.kvd_rms_norm_f32.restype = None
+    library.kvd_rms_norm_f32.argtypes = [ctypes.c_void_p] * 3 + [_I64] * 3 + [ctypes.c_float]
+    library.kvd_silu_mul_f32.restype = None
+    library.kvd_silu_mul_f32.argtypes = [ctypes.c_void_p] * 2 + [_I64] * 2
+    library.kvd_rotary_f32.restype = None
+    library.kvd_rotary_f32.argtypes = [ctypes.c_void_p] + [_I64] * 4 + [ctypes.c_void_p] * 2
     # The build's constants, read once here rather than through ctypes on every layer's call.
     library.panel_width = library.kvd_panel_width()
     library.prefill_multiple = library.kvd_prefill_multiple()
@@ -313,3 +322,42 @@ def small_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | Non
         rows.shape[0], out_features, in_features,
     )  # fmt: skip
     return out.view(*x.shape[:-1], out_features)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as contiguous float32 rows of its last dimension."""
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"the CPU kernels take float32 on the CPU, not {x.dtype} on {x.device}")
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension (RMSNorm), in a new tensor."""
+    rows = _rows(x)
+    out = torch.empty_like(rows)
+    load().kvd_rms_norm_f32(
+        rows.data_ptr(), weight.data_ptr(), out.data_ptr(), rows.shape[0], rows.shape[1], rows.shape[1], eps
+    )
+    return out.view(x.shape)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up = [..., gate | up]`` (a gated MLP's two
+    projections made by one product), in a new tensor of half the width."""
+    rows = _rows(gate_up)
+    width = rows.shape[1] // 2
+    out = rows.new_empty(rows.shape[0], width)
+    load().kvd_silu_mul_f32(rows.data_ptr(), out.data_ptr(), rows.shape[0], width)
+    return out.view(*gate_up.shape[:-1], width)
+
+
+def rotary(x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Applies the rotary embedding in place to the first ``heads`` heads of
+    each row of ``x`` (``[tokens, width]``, contiguous: a projection's queries,
+    then its keys), by each token's ``cos`` and ``sin`` (``[tokens, head_dim]``,
+    Hugging Face's convention: ``x cos + rotate_half(x) sin``)."""
+    tokens, head_dim = cos.shape
+    if not x.is_contiguous() or x.shape[0] != tokens or x.shape[1] < heads * head_dim or head_dim % 2:
+        raise ValueError(f"rotary takes contiguous rows of at least {heads} heads of {head_dim}, not {x.shape}")
+    cos, sin = _rows(cos), _rows(sin)
+    load().kvd_rotary_f32(x.data_ptr(), x.shape[1], tokens, heads, head_dim, cos.data_ptr(), sin.data_ptr())

@@ -23,28 +23,6 @@ from inference.model_runner import ModelRunner
 from inference.step_inputs import Chunk
 
 
-@pytest.fixture
-def fresh_build(monkeypatch, tmp_path):
-    """Each test loads the kernel anew, built into its own cache folder."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    cpu.load.cache_clear()
-    yield
-    cpu.load.cache_clear()
-    cpu.use(True)
-
-
-#: the machine's own vector width, and 256-bit vectors as on a machine without
-#: AVX-512 (the same build where it has none): both widths of the linear kernel's panels
-VECTOR_BUILDS = {"native": (), "without AVX-512": ("-mno-avx512f",)}
-
-
-@pytest.fixture(params=VECTOR_BUILDS)
-def each_vector_width(request, fresh_build, monkeypatch):
-    monkeypatch.setattr(cpu, "FLAGS", cpu.FLAGS + VECTOR_BUILDS[request.param])
-    if request.param != "native":
-        assert cpu.panel_width() == 8
-
-
 def reference(q, layer_k, layer_v, blocks, lens, scale):
     """float64 softmax attention over each sequence's gathered positions: outputs and log-sum-exps."""
     outs, lses = [], []
