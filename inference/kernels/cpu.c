@@ -139,20 +139,28 @@ typedef struct {
     float scale;
 } Layer;
 
-static void prefetch_block(const Layer *p, int64_t id) {
+/* Prefetches bytes [from, to) of block `id`'s keys and of its values. NOTE:
+ * inlined into the loop over heads; called there, the kernel ran ~20% slower. */
+static inline __attribute__((always_inline)) void prefetch_part(const Layer *p, int64_t id, int64_t from,
+                                                                int64_t to) {
     const char *k = (const char *)(p->k + id * p->block_stride), *v = (const char *)(p->v + id * p->block_stride);
-    const int64_t bytes = p->block_size * p->token_stride * (int64_t)sizeof(float);
-    for (int64_t at = 0; at < bytes; at += 64) {
+    for (int64_t at = from; at < to; at += 64) {
         __builtin_prefetch(k + at, 0, 3);
         __builtin_prefetch(v + at, 0, 3);
     }
 }
 
-/* Folds the first `rows` positions of block `id` into sequence `seq`'s running softmax, every head. */
-static void fold_block(const Layer *p, int64_t seq, int64_t id, int64_t rows) {
+/* Folds the first `rows` positions of block `id` into sequence `seq`'s running
+ * softmax, every head, while prefetching block `next` (-1: none) a share per
+ * head. NOTE: the whole next block's prefetches issued at once (24 KB for
+ * SmolLM2: 384 lines) ran the kernel at 12 GB/s; spread over the heads, 16. */
+static void fold_block(const Layer *p, int64_t seq, int64_t id, int64_t rows, int64_t next) {
     const int64_t group = p->heads / p->kv_heads, d = p->head_dim;
     float scores[TILE] __attribute__((aligned(64))); /* TILE: a multiple of PANEL */
+    const int64_t bytes = p->block_size * p->token_stride * (int64_t)sizeof(float);
+    const int64_t share = (bytes / 64 + p->heads - 1) / p->heads * 64; /* whole lines */
     for (int64_t h = 0; h < p->heads; h++) {
+        if (next >= 0) prefetch_part(p, next, h * share, (h + 1) * share < bytes ? (h + 1) * share : bytes);
         const float *query = p->q + (seq * p->heads + h) * d;
         float *acc = p->out + (seq * p->heads + h) * d, *top = p->top + seq * p->heads + h;
         float *mass = p->mass + seq * p->heads + h;
@@ -207,9 +215,8 @@ int kvd_paged_decode_f32(const float *q, float *out, float *top, float *mass, co
             for (int64_t i = seq * heads * head_dim; i < (seq + 1) * heads * head_dim; i++) out[i] = 0.0f;
         }
         for (int64_t b = 0; b * block_size < len; b++) {
-            if ((b + 1) * block_size < len) prefetch_block(&p, table[b + 1]);
             const int64_t rows = len - b * block_size < block_size ? len - b * block_size : block_size;
-            fold_block(&p, seq, table[b], rows);
+            fold_block(&p, seq, table[b], rows, (b + 1) * block_size < len ? table[b + 1] : -1);
         }
         for (int64_t h = seq * heads; h < (seq + 1) * heads; h++) {
             float *acc = out + h * head_dim;
@@ -227,63 +234,90 @@ int kvd_paged_decode_f32(const float *q, float *out, float *top, float *mass, co
  * once as panels of PANEL output features: [N / PANEL][K][PANEL], so that
  * one vector load brings a weight of each of PANEL outputs, multiplied by
  * one scalar of x per row. PANEL is the width of the machine's vectors: 16
- * floats with AVX-512, else 8 (cpu.py asks kvd_panel_width to pack). Eight
- * rows at a time keep 8 accumulators in registers; each thread takes a run
- * of panels, reading each from memory once (the next one prefetched while
- * the current one is used) however many rows there are. At 16 rows this
- * read SmolLM2's weights in 52 ms against oneDNN's 80 on a 2-core AVX2 box;
- * on an AVX-512 one 16-wide panels took 20-22 ms against 25-28 with 8-wide
- * ones. Past ~32 rows the products are bound by arithmetic and oneDNN's
- * blocking wins (docs/benchmarks.md).
+ * floats with AVX-512, else 8 (cpu.py asks kvd_panel_width to pack). Each
+ * thread takes runs of a few panels side by side, reading each run from
+ * memory once (the next one prefetched while the current one is used)
+ * however many rows there are, eight rows at a time against the run's
+ * panels in registers. At 16 rows this read SmolLM2's weights in 52 ms
+ * against oneDNN's 80 on a 2-core AVX2 box; on an AVX-512 one 16-wide panels
+ * took 20-22 ms against 25-28 with 8-wide ones. Past ~32 rows the products
+ * are bound by arithmetic and oneDNN's blocking wins (docs/benchmarks.md).
  */
 
 int kvd_panel_width(void) { return PANEL; }
 
-/* Eight rows of x against one panel; `next` (or NULL): the panel to prefetch meanwhile. */
-static inline void eight_rows(const float *x, int64_t k, const float *w, const float *next, fp *out) {
-    fp a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
-    const float *x0 = x, *x1 = x0 + k, *x2 = x1 + k, *x3 = x2 + k, *x4 = x3 + k, *x5 = x4 + k, *x6 = x5 + k,
-                *x7 = x6 + k;
-    for (int64_t i = 0; i < k; i++) {
-        const fp wv = *(const fp *)(w + i * PANEL);
-        if (next && !(i & (16 / PANEL - 1))) __builtin_prefetch(next + i * PANEL, 0, 3); /* once per 64-byte line */
-        a0 += x0[i] * wv, a1 += x1[i] * wv, a2 += x2[i] * wv, a3 += x3[i] * wv;
-        a4 += x4[i] * wv, a5 += x5[i] * wv, a6 += x6[i] * wv, a7 += x7[i] * wv;
-    }
-    out[0] = a0, out[1] = a1, out[2] = a2, out[3] = a3, out[4] = a4, out[5] = a5, out[6] = a6, out[7] = a7;
-}
+/* The register block: up to LIN_ROWS rows of x against LIN_PANELS panels side
+ * by side, LIN_ROWS x LIN_PANELS accumulators (24 of AVX-512's 32 registers,
+ * 8 of AVX2's 16). Each row's scalar of x, broadcast once, meets a weight
+ * vector of each panel: per step one load per panel and per row against
+ * rows x panels multiply-adds. With one panel at a time (the first form of
+ * this kernel) the loads outnumbered the multiply-adds, and 16 rows ran at
+ * 14.6 GB/s of weights where one row ran at 24.5, the memory's speed. */
+#define LIN_ROWS 8
+#define LIN_PANELS (PANEL == 16 ? 3 : 2)
 
-/* Fewer than eight rows: one row at a time, two accumulators each. */
-static inline void some_rows(const float *x, int64_t k, int64_t rows, const float *w, fp *out) {
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * k;
-        fp a = {0}, b = {0};
-        int64_t i = 0;
-        for (; i + 2 <= k; i += 2) {
-            a += xr[i] * *(const fp *)(w + i * PANEL);
-            b += xr[i + 1] * *(const fp *)(w + (i + 1) * PANEL);
-        }
-        if (i < k) a += xr[i] * *(const fp *)(w + i * PANEL);
-        out[r] = a + b;
+/* R rows of x (k floats apart) against C consecutive panels from w into y
+ * (n floats apart) + bias (or NULL), while prefetching `next` (the next run
+ * of panels, or this one again), each panel's step by step: one instance per
+ * shape, so that the compiler keeps the accumulators in registers. */
+#define LINEAR_BLOCK(R, C)                                                                                         \
+    static void linear_block_##R##_##C(const float *x, int64_t k, const float *w, const float *bias, float *y,    \
+                                       int64_t n, const float *next) {                                             \
+        fp acc[R][C] = {{{0}}};                                                                                    \
+        const int64_t panel_floats = k * PANEL;                                                                    \
+        for (int64_t i = 0; i < k; i++) {                                                                          \
+            fp wv[C];                                                                                              \
+            _Pragma("GCC unroll 4") for (int c = 0; c < C; c++) {                                                 \
+                wv[c] = *(const fp *)(w + c * panel_floats + i * PANEL);                                           \
+                __builtin_prefetch(next + c * panel_floats + i * PANEL, 0, 3);                                     \
+            }                                                                                                      \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                                 \
+                const float xr = x[r * k + i];                                                                     \
+                _Pragma("GCC unroll 4") for (int c = 0; c < C; c++) acc[r][c] += xr * wv[c];                      \
+            }                                                                                                      \
+        }                                                                                                          \
+        for (int c = 0; c < C; c++) {                                                                              \
+            const fp b = bias ? *(const fp *)(bias + c * PANEL) : (fp){0};                                         \
+            for (int r = 0; r < R; r++) *(fp *)(y + r * n + c * PANEL) = acc[r][c] + b;                           \
+        }                                                                                                          \
     }
-}
+/* every row count, for runs of LIN_PANELS panels and for single panels (a weight's last ones) */
+#define LINEAR_BLOCKS(C)                                                                                           \
+    LINEAR_BLOCK(1, C) LINEAR_BLOCK(2, C) LINEAR_BLOCK(3, C) LINEAR_BLOCK(4, C) LINEAR_BLOCK(5, C)                \
+    LINEAR_BLOCK(6, C) LINEAR_BLOCK(7, C) LINEAR_BLOCK(8, C)                                                       \
+    static const linear_block_fn linear_blocks_##C[LIN_ROWS + 1] = {                                               \
+        0, linear_block_1_##C, linear_block_2_##C, linear_block_3_##C, linear_block_4_##C,                         \
+        linear_block_5_##C, linear_block_6_##C, linear_block_7_##C, linear_block_8_##C};
+typedef void (*linear_block_fn)(const float *, int64_t, const float *, const float *, float *, int64_t,
+                                const float *);
+#if PANEL == 16
+LINEAR_BLOCKS(3)
+#define RUN_BLOCKS linear_blocks_3
+#else
+LINEAR_BLOCKS(2)
+#define RUN_BLOCKS linear_blocks_2
+#endif
+LINEAR_BLOCKS(1)
 
-/* y [m, n] = x [m, k] W^T (+ bias [n], or NULL); W as panels [n / PANEL][k][PANEL]; n a multiple of PANEL. */
+/* y [m, n] = x [m, k] W^T (+ bias [n], or NULL); W as panels [n / PANEL][k][PANEL]; n a multiple of PANEL.
+ * Each thread takes runs of LIN_PANELS panels, reading each run from memory once (the first block of rows
+ * prefetches the next run) however many rows there are. */
 void kvd_small_linear_f32(const float *x, const float *panels, const float *bias, float *y, int64_t m, int64_t n,
                           int64_t k) {
-    const int64_t count = n / PANEL;
+    const int64_t count = n / PANEL, runs = (count + LIN_PANELS - 1) / LIN_PANELS;
 #pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < count; p++) {
-        const float *w = panels + p * k * PANEL, *next = p + 1 < count ? w + k * PANEL : 0;
-        const fp b = bias ? *(const fp *)(bias + p * PANEL) : (fp){0};
-        for (int64_t m0 = 0; m0 < m; m0 += 8) {
-            fp acc[8];
-            const int64_t rows = m - m0 < 8 ? m - m0 : 8;
-            if (rows == 8)
-                eight_rows(x + m0 * k, k, w, m0 == 0 ? next : 0, acc);
-            else
-                some_rows(x + m0 * k, k, rows, w, acc);
-            for (int64_t r = 0; r < rows; r++) *(fp *)(y + (m0 + r) * n + p * PANEL) = acc[r] + b;
+    for (int64_t run = 0; run < runs; run++) {
+        const int64_t p0 = run * LIN_PANELS, width = count - p0 < LIN_PANELS ? count - p0 : LIN_PANELS;
+        const float *w = panels + p0 * k * PANEL, *next = run + 1 < runs ? w + LIN_PANELS * k * PANEL : w;
+        for (int64_t m0 = 0; m0 < m; m0 += LIN_ROWS) {
+            const int64_t rows = m - m0 < LIN_ROWS ? m - m0 : LIN_ROWS;
+            const float *ahead = m0 == 0 ? next : w; /* the first block of rows prefetches the next run */
+            if (width == LIN_PANELS)
+                RUN_BLOCKS[rows](x + m0 * k, k, w, bias ? bias + p0 * PANEL : 0, y + m0 * n + p0 * PANEL, n, ahead);
+            else /* a weight's last panels, one at a time */
+                for (int64_t c = 0; c < width; c++)
+                    linear_blocks_1[rows](x + m0 * k, k, w + c * k * PANEL, bias ? bias + (p0 + c) * PANEL : 0,
+                                          y + m0 * n + (p0 + c) * PANEL, n, w);
         }
     }
 }
