@@ -285,7 +285,8 @@ def test_the_small_batch_linear_equals_torchs(each_vector_width, rows, bias):
                 linear.bias.copy_(torch.randn(outputs, generator=gen))
         x = torch.randn(1, rows, 72, generator=gen)  # the model's [batch, tokens, features]
         got = cpu.small_linear(x, cpu.pack_panels(linear.weight), linear.bias)
-        want = torch.nn.functional.linear(x.double(), linear.weight.double(), None if not bias else linear.bias.double())
+        bias_wanted = linear.bias.double() if bias else None
+        want = torch.nn.functional.linear(x.double(), linear.weight.double(), bias_wanted)
         assert got.shape == (1, rows, outputs)
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
 
