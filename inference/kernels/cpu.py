@@ -47,7 +47,8 @@ from inference import model_store
 log = logging.getLogger("inference.kernels.cpu")
 
 SOURCE = Path(__file__).with_name("cpu.c")
-#: the most rows ``small_linear`` takes: past ~32 oneDNN's blocked products win (cpu.c)
+#: the most rows ``small_linear`` takes: past ~32 oneDNN's blocked products won on an AVX2
+#: box; 16-wide panels beat them further on an AVX-512 one, 8-wide ones did not (docs/benchmarks.md)
 SMALL_ROWS = 32
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _I64, _F32P = ctypes.c_int64, ctypes.POINTER(ctypes.c_float)
