@@ -626,19 +626,17 @@ static inline void scale_row(const float *x, const float *weight, float scale, f
     for (; i < n; i++) y[i] = x[i] * scale * weight[i];
 }
 
-/* y[r] = weight * x[r] / sqrt(mean(x[r]^2) + eps) over rows of d floats,
- * `stride` floats apart in x and y alike (y may be x). */
-void kvd_rms_norm_f32(const float *x, const float *weight, float *y, int64_t rows, int64_t d, int64_t stride,
-                      float eps) {
+/* y[r] = weight * x[r] / sqrt(mean(x[r]^2) + eps) over contiguous rows of d floats. */
+void kvd_rms_norm_f32(const float *x, const float *weight, float *y, int64_t rows, int64_t d, float eps) {
 #pragma omp parallel for schedule(static) if (rows * d >= PARALLEL_FLOATS)
     for (int64_t r = 0; r < rows; r++) {
-        const float *row = x + r * stride;
+        const float *row = x + r * d;
         fp squares = {0};
         int64_t i = 0;
         for (; i + PANEL <= d; i += PANEL) squares += *(const fp *)(row + i) * *(const fp *)(row + i);
         float sum = lane_sum(squares);
         for (; i < d; i++) sum += row[i] * row[i];
-        scale_row(row, weight, 1.0f / sqrtf(sum / (float)d + eps), y + r * stride, d);
+        scale_row(row, weight, 1.0f / sqrtf(sum / (float)d + eps), y + r * d, d);
     }
 }
 

@@ -126,7 +126,7 @@ def load() -> ctypes.CDLL | None:
     small.restype = None
     small.argtypes = [ctypes.c_void_p] * 4 + [_I64] * 3
     library.kvd_rms_norm_f32.restype = None
-    library.kvd_rms_norm_f32.argtypes = [ctypes.c_void_p] * 3 + [_I64] * 3 + [ctypes.c_float]
+    library.kvd_rms_norm_f32.argtypes = [ctypes.c_void_p] * 3 + [_I64] * 2 + [ctypes.c_float]
     library.kvd_silu_mul_f32.restype = None
     library.kvd_silu_mul_f32.argtypes = [ctypes.c_void_p] * 2 + [_I64] * 2
     library.kvd_rotary_f32.restype = None
@@ -308,15 +308,22 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return weight.detach().view(out_features // width, width, in_features).transpose(1, 2).contiguous()
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as contiguous float32 rows of its last dimension."""
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"the CPU kernels take float32 on the CPU, not {x.dtype} on {x.device}")
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
 def small_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x W^T + bias`` for ``x`` of up to ``SMALL_ROWS`` rows (any leading dimensions), W in ``pack_panels``."""
     library = load()
     assert library is not None, "check available() first"
     count, in_features, width = panels.shape
     out_features = count * width
-    rows = x.reshape(-1, in_features).contiguous()
-    if rows.dtype != torch.float32:
-        raise ValueError(f"small_linear takes float32, not {rows.dtype}")
+    rows = _rows(x)
+    if rows.shape[1] != in_features:
+        raise ValueError(f"small_linear takes rows of {in_features}, not {rows.shape[1]}")
     out = rows.new_empty(rows.shape[0], out_features)
     library.kvd_small_linear_f32(
         rows.data_ptr(), panels.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
@@ -325,20 +332,11 @@ def small_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | Non
     return out.view(*x.shape[:-1], out_features)
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as contiguous float32 rows of its last dimension."""
-    if x.dtype != torch.float32 or x.device.type != "cpu":
-        raise ValueError(f"the CPU kernels take float32 on the CPU, not {x.dtype} on {x.device}")
-    return x.reshape(-1, x.shape[-1]).contiguous()
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension (RMSNorm), in a new tensor."""
     rows = _rows(x)
     out = torch.empty_like(rows)
-    load().kvd_rms_norm_f32(
-        rows.data_ptr(), weight.data_ptr(), out.data_ptr(), rows.shape[0], rows.shape[1], rows.shape[1], eps
-    )
+    load().kvd_rms_norm_f32(rows.data_ptr(), weight.data_ptr(), out.data_ptr(), rows.shape[0], rows.shape[1], eps)
     return out.view(x.shape)
 
 
